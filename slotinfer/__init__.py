@@ -1,0 +1,19 @@
+"""slotinfer: continuous-batching inference of decoder LLMs on MLX.
+
+    >>> import slotinfer
+    >>> model = slotinfer.load("path/to/hf-folder")
+    >>> model.generate("Hello", max_tokens=16).text
+"""
+
+from . import _blas
+
+# An optimized BLAS must be loaded globally before mlx.core is first imported:
+# MLX's f32 matmul on Linux CPU links a reference BLAS otherwise (~30x slower).
+BLAS = _blas.ensure_blas()
+
+from .errors import *  # noqa: E402,F401,F403
+from .loader import load  # noqa: E402,F401
+from .model import Model  # noqa: E402,F401
+from .types import Completion  # noqa: E402,F401
+
+__version__ = "0.1.0"
