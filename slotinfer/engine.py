@@ -1,0 +1,246 @@
+"""The Engine: schedule -> run -> postprocess, one step at a time.
+
+Both the threaded :class:`~slotinfer.Inferencer` and ``Model.batch_generate`` drive
+it.  A step admits waiting items into free slots, prefills one budgeted chunk of
+new prompts (Encoder), issues one fused decode step for every running slot
+(Decoder), and only then reads back the *previous* step's tokens: the host's
+bookkeeping of step t overlaps the device's work on step t+1, and each step costs
+exactly one device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .decoder import Decoder, RowParams
+from .encoder import Encoder
+from .errors import EngineError, PromptTooLongError
+from .handle import Handle
+from .item_processor import Item, ItemProcessor
+from .model import check_max_tokens, check_stop
+from .sampling import SamplingParams
+from .slots import SlotTable
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class _Issued:
+    """A decode step in flight: what it computed and for whom."""
+
+    packed: mx.array  # [2 or more, b]: input tokens, output tokens (+ logprobs)
+    rows: list[tuple[int, Item, bool]]  # (slot, item, its first token came from the Encoder)
+    top_n: int
+    extra: list
+
+
+class Engine:
+    def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512):
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1, got {slots!r}")
+        if not isinstance(max_len, int) or max_len < 2:
+            raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
+        self.model, self.slots, self.max_len = model, slots, max_len
+        self.table = SlotTable(model.config, slots=slots, max_len=max_len, dtype=model.dtype)
+        self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
+        self.decoder = Decoder(model.net, self.table)
+        self.items = ItemProcessor(slots)
+        self.rows = RowParams(slots, model.config.vocab_size)
+        self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
+        self.pos = np.full(slots, max_len, dtype=np.int32)  # where each slot's next token is written
+        self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
+        self._pending: _Issued | None = None
+        self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, prefill_s=0.0, step_s=0.0,
+                             occupancy=0, submitted=0)
+        self._t0 = time.perf_counter()
+
+    # -- requests -------------------------------------------------------------
+
+    def make_item(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
+                  stop=None, stop_token_ids=(), ignore_eos: bool = False, logprobs: bool = False,
+                  top_logprobs: int = 0, on_token=None, loop=None) -> Item:
+        """Validate a request (raising a typed error) and make its record."""
+        model = self.model
+        ids = model.encode_prompt(prompt)
+        check_max_tokens(max_tokens)
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        stops = check_stop(stop)
+        budget = min(max_tokens, model.context_length - len(ids))
+        if len(ids) + budget > self.max_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + budget} > the "
+                f"engine's max_len {self.max_len}; shorten the prompt, lower max_tokens or raise max_len"
+            )
+        if not isinstance(top_logprobs, int) or top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
+        enders = frozenset(stop_token_ids) | (frozenset() if ignore_eos else model.eos_ids)
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        self.counters["submitted"] += 1
+        return Item(
+            id=next(_ids), prompt=ids, params=params, seed=seed, max_tokens=budget, stops=stops,
+            enders=enders, handle=Handle(0, loop), detok=model.tokenizer.detokenizer(),
+            top_logprobs=(top_logprobs if top_logprobs else 0) if (logprobs or top_logprobs) else -1,
+            on_token=on_token,
+        )
+
+    def add(self, item: Item):
+        item.handle.id = item.id
+        self.items.add(item)
+
+    @property
+    def busy(self) -> bool:
+        return self.items.busy or self._pending is not None
+
+    # -- the loop ---------------------------------------------------------------
+
+    def step(self):
+        """One iteration: admit, prefill a chunk, issue a decode step, process the previous one."""
+        t0 = time.perf_counter()
+        self.items.reap_cancelled()
+        admitted = self.items.admit()
+        if admitted:
+            self._occupancy_changed(admitted)
+        firsts = self._prefill()
+        issued = self._decode(firsts)
+        previous, self._pending = self._pending, issued
+        if previous is not None:
+            self._process(previous)
+        self.counters["step_s"] += time.perf_counter() - t0
+
+    def run_until_done(self):
+        while self.busy:
+            self.step()
+
+    def _occupancy_changed(self, admitted):
+        self.rows.set([(it.params, it.seed) if it else None for it in self.items.by_slot])
+        self.rows.reset_seen([it.slot for it in admitted], [it.prompt for it in admitted])
+
+    def _prefill(self) -> list[Item]:
+        plan = self.encoder.plan(self.items.prefilling)
+        if not plan:
+            return []
+        t0 = time.perf_counter()
+        done = [it for it, c in plan if c.last]
+        top_n = max((it.top_logprobs for it in [*self.items.running(), *done]), default=-1)
+        out = self.encoder.run([c for _, c in plan], self.rows.take([it.slot for it in done]) if done else None,
+                               top_n=top_n)
+        for it, c in plan:
+            it.prefilled += len(c.tokens)
+            self.counters["prefill_tokens"] += len(c.tokens)
+        if done:
+            first, extra = out
+            slots = mx.array([it.slot for it in done])
+            self.tokens[slots] = first
+            self._first_extra = [_spread(e, slots, self.slots) for e in extra]
+            for it in done:
+                self.items.prefilling.remove(it)
+                it.state = "running"
+                self.pos[it.slot], self.gen[it.slot] = len(it.prompt), 1
+        mx.async_eval(self.tokens)
+        self.counters["prefill_s"] += time.perf_counter() - t0
+        return done
+
+    def _decode(self, firsts) -> _Issued | None:
+        running = self.items.running()
+        if not running:
+            return None
+        first_set = {id(it) for it in firsts}
+        top_n = max(it.top_logprobs for it in running)
+        positions = np.full(self.slots, self.max_len, dtype=np.int32)
+        for it in running:
+            positions[it.slot] = self.pos[it.slot]
+        self.rows.steps = mx.array(self.gen)
+        tokens_in = self.tokens
+        nxt, extra = self.decoder.step(tokens_in, mx.array(positions), int(positions[[it.slot for it in running]].max()) + 1,
+                                       self.rows, top_n=top_n)
+        self.tokens = nxt
+        # Ids are exact in float32 (< 2**24), so tokens and logprobs travel in one array.
+        packed = [tokens_in.astype(mx.float32), nxt.astype(mx.float32)]
+        fx = self._first_extra if firsts else None
+        if top_n >= 0:
+            packed += [extra[0], fx[0] if fx else mx.zeros((self.slots,))]
+        issued = _Issued(mx.stack(packed), [(it.slot, it, id(it) in first_set) for it in running], top_n, [])
+        if top_n > 0:
+            issued.extra = [*extra[1:], *(fx[1:] if fx else extra[1:])]
+        mx.async_eval(issued.packed, self.tokens, *self.table.keys, *self.table.values)
+        for it in running:
+            self.pos[it.slot] += 1
+            self.gen[it.slot] += 1
+        self.counters["steps"] += 1
+        self.counters["occupancy"] += len(running)
+        return issued
+
+    def _process(self, issued: _Issued):
+        host = np.array(issued.packed)  # the one device-to-host copy of the step
+        tops = [np.array(a) for a in issued.extra] if issued.top_n > 0 else None
+        for slot, item, first in issued.rows:
+            if item.state != "running" or item.slot != slot:
+                continue  # finished (or cancelled) while this step was in flight
+            if first:
+                lp = float(host[3, slot]) if issued.top_n >= 0 else None
+                top = _top(tops, 2, 3, slot) if tops else None
+                if self.items.accept(item, int(host[0, slot]), lp, top):
+                    continue
+            lp = float(host[2, slot]) if issued.top_n >= 0 else None
+            top = _top(tops, 0, 1, slot) if tops else None
+            self.counters["decode_tokens"] += 1
+            self.items.accept(item, int(host[1, slot]), lp, top)
+
+    def fail_all(self, error: BaseException):
+        """The device step itself failed: end every item in flight with the cause."""
+        for item in [*self.items.waiting, *filter(None, self.items.by_slot)]:
+            self.items.finish(item, "error", EngineError(f"the engine failed: {error!r}"))
+        self._pending = None
+
+    # -- reporting --------------------------------------------------------------
+
+    def memory(self) -> dict:
+        weights = sum(v.nbytes for _, v in _leaves(self.model.net.parameters()))
+        return {
+            "slots": self.slots, "max_len": self.max_len,
+            "kv_cache_bytes": self.table.nbytes, "kv_bytes_per_slot": self.table.nbytes // self.slots,
+            "weights_bytes": weights, "peak_bytes": mx.get_peak_memory(),
+        }
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {
+            **c,
+            "finished": self.items.finished,
+            "waiting": len(self.items.waiting),
+            "active_slots": sum(it is not None for it in self.items.by_slot),
+            "mean_occupancy": c["occupancy"] / c["steps"] if c["steps"] else 0.0,
+            "decode_tokens_per_s": c["decode_tokens"] / c["step_s"] if c["step_s"] else 0.0,
+            "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_s"] if c["prefill_s"] else 0.0,
+            "peak_memory_bytes": mx.get_peak_memory(),
+            "uptime_s": time.perf_counter() - self._t0,
+        }
+
+
+def _spread(a, slots, b):
+    """Rows of the Encoder's [m, ...] output placed at their slots in a [b, ...] array."""
+    out = mx.zeros((b, *a.shape[1:]), dtype=a.dtype)
+    out[slots] = a
+    return out
+
+
+def _top(tops, ids_i, vals_i, slot):
+    return list(zip(tops[ids_i][slot].tolist(), tops[vals_i][slot].tolist()))
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix, tree

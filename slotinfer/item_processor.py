@@ -1,0 +1,169 @@
+"""The ItemProcessor: the host side of the loop.
+
+It owns every request's record (:class:`Item`), the FIFO of waiting items and the
+free-slot list.  Each step it takes the tokens the device produced, appends them,
+streams text, finishes items (EOS / stop token / stop string / max_tokens /
+cancellation), frees their slots and admits waiting items into them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .errors import EngineError
+from .handle import Handle, StreamEvent
+from .model import find_stop
+from .sampling import SamplingParams
+from .types import Completion
+
+
+@dataclass(eq=False)
+class Item:
+    """One request and its progress."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    stops: tuple[str, ...]
+    enders: frozenset[int]
+    handle: Handle
+    detok: object
+    top_logprobs: int = -1  # -1: none; 0: the chosen token's; n: also the top n
+    on_token: object = None
+    slot: int = -1
+    prefilled: int = 0
+    state: str = "waiting"  # waiting | prefill | running | done
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""  # all decoded text
+    emitted: int = 0  # how much of ``text`` has been streamed
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_admit: float = 0.0
+    t_first: float = 0.0
+
+
+class ItemProcessor:
+    def __init__(self, slots: int):
+        self.waiting: deque[Item] = deque()
+        self.free = list(range(slots))
+        self.by_slot: list[Item | None] = [None] * slots
+        self.prefilling: list[Item] = []
+        self.finished = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(self.by_slot)
+
+    def running(self) -> list[Item]:
+        return [it for it in self.by_slot if it is not None and it.state == "running"]
+
+    def add(self, item: Item):
+        self.waiting.append(item)
+
+    def admit(self) -> list[Item]:
+        """Move waiting items (FIFO) into free slots; returns the newly admitted."""
+        admitted = []
+        while self.free and self.waiting:
+            item = self.waiting.popleft()
+            if item.handle.cancel_requested:
+                self.finish(item, "cancelled")
+                continue
+            item.slot = self.free.pop(0)
+            item.state, item.t_admit = "prefill", time.perf_counter()
+            self.by_slot[item.slot] = item
+            self.prefilling.append(item)
+            admitted.append(item)
+        return admitted
+
+    def reap_cancelled(self):
+        for item in [*self.waiting, *filter(None, self.by_slot)]:
+            if item.handle.cancel_requested:
+                self.finish(item, "cancelled")
+
+    def accept(self, item: Item, token: int, logprob=None, top=None) -> bool:
+        """Append one generated token; returns True when the item finished."""
+        if item.state != "running":
+            return True
+        if not item.tokens:
+            item.t_first = time.perf_counter()
+        item.tokens.append(token)
+        if logprob is not None:
+            item.logprobs.append(logprob)
+        if top is not None:
+            item.top.append(top)
+        if token in item.enders:
+            return self._emit_and_finish(item, token, "stop")
+        item.text += item.detok.add(token)
+        if item.stops and find_stop(item.text[max(0, item.emitted - _longest(item.stops)):], item.stops) is not None:
+            return self._emit_and_finish(item, token, "stop")
+        if len(item.tokens) >= item.max_tokens:
+            return self._emit_and_finish(item, token, "length")
+        hold = _longest(item.stops) - 1 if item.stops else 0  # text that may still become a stop string
+        return not self._emit(item, token, len(item.text) - hold)
+
+    def _emit_and_finish(self, item, token, reason) -> bool:
+        item.text += item.detok.flush()
+        cut = find_stop(item.text, item.stops) if item.stops else None
+        if cut is not None:
+            item.text, reason = item.text[:cut], "stop"
+        if self._emit(item, token, len(item.text)):
+            self.finish(item, reason)
+        return True
+
+    def _emit(self, item, token, upto) -> bool:
+        """Stream text up to ``upto``; False (and the item failed) if the consumer raised."""
+        upto = max(upto, item.emitted)
+        ev = StreamEvent(token, item.text[item.emitted:upto])
+        item.emitted = upto
+        try:
+            if item.on_token is not None:
+                item.on_token(ev)
+            item.handle._push(ev)
+        except Exception as e:  # a consumer's bug fails its own request, never the worker
+            self.finish(item, "error", EngineError(f"the on_token callback of request {item.id} raised {e!r}"))
+            return False
+        return True
+
+    def finish(self, item: Item, reason: str, error: BaseException | None = None):
+        """End ``item`` exactly once and free its slot."""
+        if item.state == "done":
+            return
+        if item.state == "waiting":
+            try:
+                self.waiting.remove(item)
+            except ValueError:
+                pass
+        if item in self.prefilling:
+            self.prefilling.remove(item)
+        if item.slot >= 0 and self.by_slot[item.slot] is item:
+            self.by_slot[item.slot] = None
+            self.free.append(item.slot)
+            self.free.sort()
+        item.state = "done"
+        self.finished += 1
+        if error is not None:
+            item.handle._finish(error=error)
+            return
+        now = time.perf_counter()
+        decode_s = now - item.t_first if item.t_first else 0.0
+        metrics = {
+            "queue_wait_s": (item.t_admit or now) - item.t_submit,
+            "time_to_first_token_s": (item.t_first - item.t_submit) if item.t_first else None,
+            "decode_tokens_per_s": (len(item.tokens) - 1) / decode_s if decode_s > 0 and len(item.tokens) > 1 else None,
+        }
+        item.handle._finish(Completion(
+            tokens=list(item.tokens), text=item.text if reason != "cancelled" else item.text[: item.emitted],
+            finish_reason=reason, prompt_tokens=len(item.prompt),
+            logprobs=list(item.logprobs) if item.top_logprobs >= 0 else None,
+            top_logprobs=list(item.top) if item.top_logprobs > 0 else None,
+            seed=item.seed, metrics=metrics,
+        ))
+
+
+def _longest(stops) -> int:
+    return max(len(s) for s in stops)

@@ -1,0 +1,282 @@
+"""``load(path)``: a Hugging Face-layout folder -> :class:`Model`.
+
+Reads ``config.json``, every ``*.safetensors`` shard (dense f32/f16/bf16 or the
+MLX-quantized layout: packed uint32 ``.weight`` + ``.scales`` + ``.biases``),
+the tokenizer files and ``generation_config.json``.  Weight names stay the
+checkpoint's own; the only rewrites are the ones the decoder needs (fused
+projections, Gemma's norm offset folded in) and they happen here, once.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import device
+from .errors import ConfigError, ModelNotFoundError, TokenizerError, WeightError
+from .model import Model
+from .models import ModelConfig, Transformer, parse_config
+from .tokenizer import Tokenizer
+
+_DROP_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def load(path, *, dtype=None) -> Model:
+    """Load a decoder checkpoint folder (Hugging Face or MLX-quantized layout).
+
+    ``dtype`` overrides the device policy's compute dtype (float32 on CPU, the
+    stored dtype on a GPU), e.g. ``load(path, dtype="bfloat16")``.
+
+        >>> model = slotinfer.load("models/Qwen3-0.6B")
+        >>> model.generate("The capital of France is", max_tokens=8).text
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"model folder {str(folder)!r} does not exist; pass the folder holding config.json")
+    raw = read_json(folder / "config.json", required=True)
+    cfg = parse_config(raw)
+    weights = _text_weights(read_safetensors(folder))
+    quant = _quant_params(raw, weights)
+    stored = _stored_dtype(weights)
+    compute = device.compute_dtype(stored, override=dtype)
+    keep_q = device.keep_quantized() and dtype is None
+    check_weights(cfg, weights, quant)
+    weights = _prepare(cfg, weights, quant, compute, keep_q)
+
+    net = Transformer(cfg)
+    kept = {name.rsplit(".", 1)[0]: quant[name.rsplit(".", 1)[0]] for name in weights if name.endswith(".scales")}
+    if kept:
+        nn.quantize(net, class_predicate=lambda p, m: kept.get(p, False))
+    net.load_weights(list(weights.items()), strict=True)
+    mx.eval(net.parameters())
+
+    tokenizer = Tokenizer.from_folder(folder)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise TokenizerError(
+            f"tokenizer.json has {tokenizer.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}: "
+            "the tokenizer belongs to another model; copy the tokenizer files of this checkpoint"
+        )
+    return Model(net, cfg, tokenizer, eos_ids=_eos_ids(folder, raw, tokenizer), dtype=compute, path=folder)
+
+
+def read_json(file: Path, *, required: bool = False) -> dict:
+    if not file.exists():
+        if required:
+            raise ModelNotFoundError(f"{file.name} is missing from {str(file.parent)!r}; a model folder needs it")
+        return {}
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file} is not valid JSON ({e}); restore the file from the checkpoint") from None
+
+
+def read_safetensors(folder: Path) -> dict[str, mx.array]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index} has no 'weight_map' object")
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelNotFoundError(f"shards listed in {index.name} are missing: {', '.join(missing)}")
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelNotFoundError(f"no *.safetensors weights in {str(folder)!r}")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        _check_complete(f)
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises plain RuntimeError/ValueError on bad files
+            raise WeightError(f"cannot read {f.name}: {e}; the file is damaged, re-download it") from None
+    return weights
+
+
+def _check_complete(f: Path):
+    """Catch truncated downloads with a clear message before the reader does."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise WeightError(f"{f.name} is truncated ({size} bytes); re-download it")
+        n = struct.unpack("<Q", head)[0]
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise WeightError(f"{f.name} has a damaged header; it is not a complete safetensors file, re-download it") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise WeightError(f"{f.name} is truncated: its header needs {8 + n + end} bytes, the file has {size}; re-download it")
+
+
+def _text_weights(weights: dict) -> dict:
+    """Keep the decoder's tensors under the names a plain causal LM uses."""
+    out = {}
+    for name, w in weights.items():
+        if name.startswith(_DROP_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        out[name] = w
+    return out
+
+
+def _quant_params(raw: dict, weights: dict) -> dict[str, dict]:
+    """{module path: {"group_size", "bits"}} for every quantized module in the checkpoint."""
+    q = raw.get("quantization") or raw.get("quantization_config") or {}
+    overrides = {}
+    for key, val in q.items():
+        if isinstance(val, (dict, bool)):
+            overrides[next(iter(_text_weights({key: 0})), key)] = val
+    params = {}
+    for name in weights:
+        if not name.endswith(".scales"):
+            continue
+        module = name[: -len(".scales")]
+        spec = overrides.get(module, q)
+        if not isinstance(spec, dict) or "bits" not in spec or "group_size" not in spec:
+            raise ConfigError(
+                f"{module} is quantized (has .scales) but config.json gives no 'quantization' "
+                "{group_size, bits} for it; the folder is not a complete MLX-quantized checkpoint"
+            )
+        if f"{module}.biases" not in weights:
+            raise WeightError(f"{module}.biases is missing: affine-quantized weights need scales and biases")
+        params[module] = {"group_size": int(spec["group_size"]), "bits": int(spec["bits"])}
+    return params
+
+
+def _stored_dtype(weights: dict):
+    floats = [w.dtype for n, w in weights.items() if mx.issubdtype(w.dtype, mx.floating)]
+    return max(set(floats), key=floats.count) if floats else mx.float32
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every tensor a checkpoint of this config holds, with its dense shape."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+            "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+            "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+            "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+        }
+        if cfg.attn_bias:
+            layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        if cfg.o_bias:
+            layer["self_attn.o_proj.bias"] = (H,)
+        if cfg.mlp_bias:
+            layer |= {"mlp.gate_proj.bias": (I,), "mlp.up_proj.bias": (I,), "mlp.down_proj.bias": (H,)}
+        if cfg.qk_norm:
+            layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+        if cfg.sandwich_norms:
+            layer |= {"pre_feedforward_layernorm.weight": (H,), "post_feedforward_layernorm.weight": (H,)}
+        shapes |= {p + k: v for k, v in layer.items()}
+    return shapes
+
+
+def check_weights(cfg: ModelConfig, weights: dict, quant: dict):
+    expected = expected_shapes(cfg)
+    if cfg.tie_word_embeddings:  # some tied checkpoints still carry a copy of the head
+        for suffix in ("weight", "scales", "biases"):
+            weights.pop(f"lm_head.{suffix}", None)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise WeightError(
+            f"tensors missing from the checkpoint: {', '.join(missing[:5])}{more}; "
+            f"the weights do not match config.json (model_type {cfg.model_type!r})"
+        )
+    aux = {f"{m}.{s}" for m in quant for s in ("scales", "biases")}
+    unexpected = sorted(set(weights) - set(expected) - aux)
+    if unexpected:
+        raise WeightError(
+            f"unexpected tensors in the checkpoint: {', '.join(unexpected[:5])}; "
+            f"is config.json's model_type ({cfg.model_type!r}) right for these weights?"
+        )
+    for name, shape in expected.items():
+        got = _dense_shape(name, weights, quant)
+        if got != tuple(shape):
+            raise WeightError(f"tensor {name} has shape {got}, expected {tuple(shape)} from config.json")
+
+
+def _dense_shape(name, weights, quant):
+    module = name.rsplit(".", 1)[0]
+    w = weights[name]
+    if name.endswith(".weight") and module in quant:
+        s = weights[f"{module}.scales"]
+        return (w.shape[0], s.shape[-1] * quant[module]["group_size"])
+    return tuple(w.shape)
+
+
+def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
+    """Dequantize (CPU policy), fold Gemma's norm offset, fuse projections, cast."""
+    out = {}
+    for name, w in weights.items():
+        module, kind = name.rsplit(".", 1)
+        if module in quant and not keep_q:
+            if kind != "weight":
+                continue
+            q = quant[module]
+            w = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
+                              group_size=q["group_size"], bits=q["bits"])
+        if cfg.norm_offset and name.endswith("norm.weight"):
+            w = w.astype(mx.float32) + cfg.norm_offset
+        if mx.issubdtype(w.dtype, mx.floating) and not (keep_q and module in quant and kind != "weight"):
+            w = w.astype(compute)
+        out[name] = w
+    if not keep_q:
+        quant.clear()
+    return _fuse(out, quant, compute)
+
+
+def _fuse(weights: dict, quant: dict, compute) -> dict:
+    for i in {n.split(".")[2] for n in weights if n.startswith("model.layers.")}:
+        for fused, parts in _FUSED.items():
+            parent = f"model.layers.{i}.{'self_attn' if fused == 'qkv_proj' else 'mlp'}"
+            modules = [f"{parent}.{p}" for p in parts]
+            specs = [quant.get(m) for m in modules]
+            if any(s != specs[0] for s in specs):  # mixed precision in one group: fuse dense
+                for m, s in zip(modules, specs):
+                    if s:
+                        w = weights[f"{m}.weight"]
+                        weights[f"{m}.weight"] = mx.dequantize(
+                            w, weights.pop(f"{m}.scales"), weights.pop(f"{m}.biases"), **s).astype(compute)
+                        quant.pop(m)
+                specs = [None] * len(parts)
+            for kind in ("weight", "bias", "scales", "biases"):
+                names = [f"{m}.{kind}" for m in modules]
+                if names[0] in weights:
+                    weights[f"{parent}.{fused}.{kind}"] = mx.concatenate([weights.pop(n) for n in names], axis=0)
+            if specs[0]:
+                for m in modules:
+                    quant.pop(m)
+                quant[f"{parent}.{fused}"] = specs[0]
+    return weights
+
+
+def _eos_ids(folder: Path, raw: dict, tokenizer) -> frozenset[int]:
+    """EOS ids: generation_config.json (often a list) merged with config.json and the tokenizer's."""
+    ids: set[int] = set(tokenizer.eos_ids)
+    for source in (read_json(folder / "generation_config.json"), raw, raw.get("text_config") or {}):
+        val = source.get("eos_token_id")
+        if isinstance(val, int):
+            ids.add(val)
+        elif isinstance(val, list):
+            ids.update(int(v) for v in val)
+    return frozenset(ids)

@@ -1,0 +1,188 @@
+"""``Model``: a loaded decoder with its tokenizer, and the single-sequence reference path."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import mlx.core as mx
+
+from .cache import SequenceCache
+from .errors import InvalidRequestError, PromptTooLongError
+from .models import ModelConfig, Transformer
+from .sampling import SamplingParams, penalize, sample
+from .types import Completion
+
+
+class Model:
+    """A decoder checkpoint ready to run; get one with :func:`slotinfer.load`.
+
+        >>> model = slotinfer.load("path/to/folder")
+        >>> out = model.generate("Once upon a time", max_tokens=32)
+        >>> out.text, out.finish_reason
+    """
+
+    def __init__(self, net: Transformer, config: ModelConfig, tokenizer, *, eos_ids, dtype, path: Path):
+        self.net = net
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_ids)
+        self.dtype = dtype
+        self.path = path
+
+    def __repr__(self):
+        c = self.config
+        return (f"Model({self.path.name!r}, {c.model_type}, layers={c.num_layers}, hidden={c.hidden_size}, "
+                f"vocab={c.vocab_size}, dtype={self.dtype})")
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    # -- prompts ---------------------------------------------------------------
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """A string is tokenized by the model's own rules; a list of ids is used exactly as given."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty; give at least one character or token id")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+        else:
+            raise InvalidRequestError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (it tokenizes to no tokens)")
+        if len(ids) >= self.context_length:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens; the model's context is {self.context_length}: shorten the prompt"
+            )
+        return ids
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tokenize: bool = False, **extra):
+        """Render ``messages`` ([{"role": ..., "content": ...}]) with the checkpoint's own chat template."""
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **extra
+        )
+
+    # -- batch APIs on the slot engine ------------------------------------------
+
+    def batch_generate(self, prompts, **params) -> list:
+        """Generate for every prompt on the slot engine; results (``BatchResult``) in input order.
+
+        Takes the parameters of :meth:`generate` plus ``slots`` and ``prefill_tokens``.
+        A bad prompt gets its own ``.error``; the others still complete.
+
+            >>> for r in model.batch_generate(["Hi", "Bonjour"], max_tokens=16):
+            ...     print(r.finish_reason, r.text, r.error)
+        """
+        return batch_generate(self, prompts, **params)
+
+    # -- the reference path ----------------------------------------------------
+
+    def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 seed: int | None = None, stop=None, stop_token_ids=(), ignore_eos: bool = False) -> Completion:
+        """Generate for one prompt, alone: the simple path the batched engine is tested against.
+
+            >>> model.generate("Hello", max_tokens=16, temperature=0.7, seed=1).text
+        """
+        ids = self.encode_prompt(prompt)
+        check_max_tokens(max_tokens)
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        stops = check_stop(stop)
+        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        enders = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_ids))
+        budget = min(max_tokens, self.context_length - len(ids))
+
+        cache = SequenceCache(self.config.num_layers)
+        h = self.net(mx.array([ids]), cache)
+        cache.advance(len(ids))
+        seen = mx.zeros((1, self.config.vocab_size), dtype=mx.bool_)
+        seen[0, mx.array(ids)] = True
+        row = lambda v, dt=mx.float32: mx.array([v], dtype=dt)  # noqa: E731
+        p = dict(temperature=row(params.temperature), top_k=row(params.top_k, mx.int32), top_p=row(params.top_p),
+                 min_p=row(params.min_p), seeds=row(seed, mx.uint32))
+        out, detok, text, reason = [], self.tokenizer.detokenizer(), "", "length"
+        for step in range(budget):
+            logits = self.net.head(h[:, -1, :])
+            if params.repetition_penalty != 1.0:
+                logits = penalize(logits, seen, row(params.repetition_penalty))
+            tok = sample(logits, steps=row(step, mx.uint32), **p).item()
+            out.append(tok)
+            if tok in enders:
+                reason = "stop"
+                break
+            text += detok.add(tok)
+            if find_stop(text, stops) is not None:
+                break
+            if step + 1 < budget:
+                seen[0, tok] = True
+                h = self.net(mx.array([[tok]]), cache)
+                cache.advance(1)
+        text += detok.flush()
+        cut = find_stop(text, stops)
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        return Completion(out, text, reason, prompt_tokens=len(ids), seed=seed)
+
+
+def check_max_tokens(max_tokens):
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+
+
+def check_stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return stops
+
+
+def find_stop(text: str, stops) -> int | None:
+    """Index where the earliest stop string begins in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def batch_generate(model: Model, prompts, *, slots: int = 32, prefill_tokens: int = 512, **params):
+    """Generate for many prompts on the slot engine; one bad prompt gets its own error."""
+    from .engine import Engine
+    from .types import BatchResult
+
+    prompts = list(prompts)
+    results: list = [None] * len(prompts)
+    encoded = {}
+    max_tokens = params.get("max_tokens", 256)
+    for i, p in enumerate(prompts):
+        try:
+            encoded[i] = model.encode_prompt(p)
+        except Exception as e:
+            results[i] = BatchResult([], "", None, e)
+    if encoded:
+        budget = max_tokens if isinstance(max_tokens, int) else 1
+        max_len = max(len(ids) + min(budget, model.context_length - len(ids)) for ids in encoded.values())
+        engine = Engine(model, slots=min(slots, len(encoded)), max_len=max(max_len, 2), prefill_tokens=prefill_tokens)
+        handles = {}
+        for i, ids in encoded.items():
+            try:
+                item = engine.make_item(ids, **params)
+            except Exception as e:
+                results[i] = BatchResult([], "", None, e)
+                continue
+            engine.add(item)
+            handles[i] = item.handle
+        engine.run_until_done()
+        for i, h in handles.items():
+            try:
+                c = h.result(0)
+                results[i] = BatchResult(c.tokens, c.text, c.finish_reason)
+            except Exception as e:
+                results[i] = BatchResult([], "", "error", e)
+    return results
+

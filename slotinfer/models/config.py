@@ -1,0 +1,203 @@
+"""``config.json`` -> :class:`ModelConfig`: the named switches that tell families apart.
+
+Checkpoints come with two generations of keys: the classic ones (``rope_theta``,
+``rope_scaling``, ``rope_local_base_freq``, ``sliding_window_pattern``) and the ones
+current transformers writes (``rope_parameters``, ``layer_types``).  Both are read;
+reading only one kind would silently run the wrong model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class Rope:
+    """How positions rotate q/k in one kind of layer."""
+
+    theta: float
+    type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: Rope  # full-attention layers
+    # -- family switches ------------------------------------------------------
+    attn_bias: bool = False  # q/k/v projections carry biases (Qwen 2)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen 3, Gemma 3)
+    norm_offset: float = 0.0  # Gemma norms scale by (1 + w)
+    sandwich_norms: bool = False  # Gemma: norms before *and* after attention and MLP
+    embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden)
+    attn_scale: float = 0.0  # softmax scale; 0 -> head_dim ** -0.5
+    activation: str = "silu"  # silu | gelu_tanh
+    attn_softcap: float | None = None  # Gemma 2
+    final_softcap: float | None = None  # Gemma 2
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = field(default_factory=tuple)
+    local_rope: Rope | None = None  # rope of sliding layers, when it differs
+    quantization: dict | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def rope_for(self, layer: int) -> Rope:
+        if self.is_sliding(layer) and self.local_rope is not None:
+            return self.local_rope
+        return self.rope
+
+
+def _need(cfg: dict, key: str, kind=int):
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"config.json has no {key!r}; it is required for model_type {cfg.get('model_type')!r}")
+    try:
+        return kind(cfg[key])
+    except (TypeError, ValueError):
+        raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {cfg[key]!r}") from None
+
+
+def _rope(params: dict | None, theta: float | None, where: str) -> Rope:
+    params = dict(params or {})
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    theta = params.get("rope_theta", theta)
+    if theta is None:
+        raise ConfigError(f"config.json: no rope_theta for {where} (looked in rope_parameters and rope_theta)")
+    if kind not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"config.json: rope type {kind!r} ({where}) is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    rope = Rope(theta=float(theta), type=kind, factor=float(params.get("factor", 1.0) or 1.0))
+    if kind == "llama3":
+        rope = Rope(
+            theta=float(theta), type=kind, factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        )
+    return rope
+
+
+def _layer_kinds(cfg: dict, n: int, default_pattern) -> tuple[bool, ...]:
+    """Per layer: True where the layer uses sliding-window attention."""
+    if cfg.get("layer_types"):
+        kinds = cfg["layer_types"]
+        if len(kinds) != n:
+            raise ConfigError(f"config.json: layer_types has {len(kinds)} entries for {n} layers")
+        unknown = set(kinds) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ConfigError(f"config.json: unknown layer_types {sorted(unknown)}")
+        return tuple(k == "sliding_attention" for k in kinds)
+    return tuple(default_pattern(i) for i in range(n))
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    """Build the :class:`ModelConfig` of a Hugging Face ``config.json`` dict."""
+    if not isinstance(raw, dict):
+        raise ConfigError("config.json must hold a JSON object")
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    cfg = raw
+    if model_type == "gemma3":  # multimodal wrapper: the decoder is its text part
+        if not isinstance(raw.get("text_config"), dict):
+            raise ConfigError("config.json: model_type 'gemma3' needs a 'text_config' object")
+        cfg = {**raw["text_config"], "model_type": "gemma3_text"}
+        cfg.setdefault("quantization", raw.get("quantization"))
+    mt = cfg["model_type"]
+
+    hidden = _need(cfg, "hidden_size")
+    heads = _need(cfg, "num_attention_heads")
+    layers = _need(cfg, "num_hidden_layers")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    rope_params = cfg.get("rope_parameters")
+    gemma = mt in ("gemma2", "gemma3_text")
+    common = dict(
+        model_type=model_type,
+        hidden_size=hidden,
+        intermediate_size=_need(cfg, "intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        vocab_size=_need(cfg, "vocab_size"),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 131072),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        quantization=raw.get("quantization"),
+    )
+    if common["num_heads"] % common["num_kv_heads"]:
+        raise ConfigError(f"config.json: {heads} attention heads is not a multiple of {common['num_kv_heads']} kv heads")
+
+    if mt in ("llama", "qwen2", "qwen3"):
+        if rope_params and ("full_attention" in rope_params):
+            rope_params = rope_params["full_attention"]
+        rope = _rope(rope_params if rope_params else cfg.get("rope_scaling"), cfg.get("rope_theta", 10000.0), "attention")
+        return ModelConfig(
+            **common, rope=rope,
+            attn_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
+            o_bias=mt == "llama" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+        )
+
+    # Gemma 2 / Gemma 3
+    window = _need(cfg, "sliding_window")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu"):
+        raise UnsupportedModelError(f"config.json: activation {act!r} is not supported for {mt}")
+    scalar = float(cfg.get("query_pre_attn_scalar") or head_dim)
+    if mt == "gemma2":
+        sliding = _layer_kinds(cfg, layers, lambda i: i % 2 == 0)
+        rope_params = rope_params.get("full_attention", rope_params) if rope_params else None
+        rope = _rope(rope_params, cfg.get("rope_theta", 10000.0), "attention")
+        local = None
+    else:
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        sliding = _layer_kinds(cfg, layers, lambda i: (i + 1) % pattern != 0)
+        if rope_params and "full_attention" in rope_params:
+            rope = _rope(rope_params["full_attention"], None, "full_attention layers")
+            local = _rope(rope_params.get("sliding_attention"), 10000.0, "sliding_attention layers")
+        else:
+            rope = _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1_000_000.0), "full_attention layers")
+            local = Rope(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    return ModelConfig(
+        **common, rope=rope, local_rope=local,
+        qk_norm=mt == "gemma3_text",
+        norm_offset=1.0,
+        sandwich_norms=True,
+        embed_scale=math.sqrt(hidden),
+        attn_scale=scalar ** -0.5,
+        activation="gelu_tanh",
+        attn_softcap=cfg.get("attn_logit_softcapping") if mt == "gemma2" else None,
+        final_softcap=cfg.get("final_logit_softcapping"),
+        sliding_window=window,
+        sliding_layers=sliding,
+    )

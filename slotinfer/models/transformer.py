@@ -1,0 +1,217 @@
+"""The one decoder every supported family runs through.
+
+Families differ by the switches of :class:`ModelConfig`, never by copies of this
+code.  The model reads like single-sequence code: all batching knowledge (where
+K/V go, which positions each query may see, each row's rope offset) lives in the
+attention *context* passed to ``__call__``, which is either the reference
+``SequenceCache`` or one of the slot table's views.
+
+Attention context protocol::
+
+    ctx.offset                         # rope position of the first new token: int or [B] array
+    ctx.update(layer, keys, values)    # store new K/V [B, kv_heads, L, head_dim]; return what to attend over
+    ctx.mask(layer, L, window)         # None, "causal", or a bool mask broadcastable to [B, 1, L, S]
+
+Projections are fused at load time (q|k|v into ``qkv_proj``, gate|up into
+``gate_up_proj``): fewer, larger matmuls keep the BLAS busy on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import ModelConfig, Rope
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; Gemma's (1 + w) offset is folded into ``weight`` by the loader."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x):
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+class RoPE(nn.Module):
+    def __init__(self, rope: Rope, dims: int):
+        super().__init__()
+        self.dims = dims
+        self.base = rope.theta
+        self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
+        self._freqs = _llama3_freqs(rope, dims) if rope.type == "llama3" else None
+
+    def __call__(self, x, offset):
+        if self._freqs is not None:
+            return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs)
+        return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=offset)
+
+
+def _llama3_freqs(rope: Rope, dims: int) -> mx.array:
+    """Llama 3 scaling: long wavelengths slowed by ``factor``, short kept, a smooth blend between.
+
+    Returned as periods (position / period = angle), the form ``mx.fast.rope`` takes.
+    """
+    inv = rope.theta ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelen = 2 * math.pi / inv
+    orig = rope.original_max_position_embeddings
+    low_wl, high_wl = orig / rope.low_freq_factor, orig / rope.high_freq_factor
+    smooth = (orig / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * inv / rope.factor + smooth * inv
+    inv = mx.where(wavelen > low_wl, inv / rope.factor, mx.where(wavelen < high_wl, inv, blended))
+    return 1.0 / inv
+
+
+def attend(q, k, v, scale: float, mask, softcap: float | None):
+    """Softmax attention with grouped-query heads; soft-capped scores (Gemma 2) take the explicit path."""
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    B, H, L, D = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    q = q.reshape(B, kvh, H // kvh, L, D)
+    scores = (q * scale) @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, kvh, rep, L, S]
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):
+        mask = mx.arange(S)[None] <= (mx.arange(L) + S - L)[:, None]
+    if mask is not None:
+        mask = mask if mask.ndim < 4 else mx.expand_dims(mask, 2)
+        scores = mx.where(mask, scores, -mx.inf)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ mx.expand_dims(v, 2)).reshape(B, H, L, D)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rope = RoPE(cfg.rope_for(layer), cfg.head_dim)
+        self.scale = cfg.scale
+        self.softcap = cfg.attn_softcap
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
+
+    def __call__(self, x, ctx):
+        B, L, _ = x.shape
+        q_end = self.n_heads * self.head_dim
+        q, k, v = mx.split(self.qkv_proj(x), [q_end, q_end + self.n_kv * self.head_dim], axis=-1)
+        q = q.reshape(B, L, self.n_heads, self.head_dim)
+        k = k.reshape(B, L, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.rope(q.transpose(0, 2, 1, 3), ctx.offset)
+        k = self.rope(k.transpose(0, 2, 1, 3), ctx.offset)
+        v = v.reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        k, v = ctx.update(self.layer, k, v)
+        out = attend(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+@mx.compile
+def _silu_mul(g, u):
+    return nn.silu(g) * u
+
+
+@mx.compile
+def _gelu_tanh_mul(g, u):
+    return 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g))) * u
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = _gelu_tanh_mul if cfg.activation == "gelu_tanh" else _silu_mul
+
+    def __call__(self, x):
+        g, u = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(self.act(g, u))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def __call__(self, x, ctx):
+        if self.sandwich:  # Gemma: norm around both sub-blocks
+            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = x + self.self_attn(self.input_layernorm(x), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [Block(cfg, i) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Token ids -> final hidden states; :meth:`head` turns hidden states into logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def embed(self, tokens):
+        h = self.model.embed_tokens(tokens)
+        if self.config.embed_scale is not None:
+            # Gemma rounds the scale to the activation dtype before multiplying.
+            h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
+        return h
+
+    def __call__(self, tokens, ctx):
+        h = self.embed(tokens)
+        for layer in self.model.layers:
+            h = layer(h, ctx)
+        return self.model.norm(h)
+
+    def head(self, h):
+        """Logits over the whole vocabulary for hidden states ``h`` [..., hidden]."""
+        if self.config.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        return self._cap(logits)
+
+    def head_rows(self, h, ids):
+        """Logits of only the vocabulary rows ``ids`` (e.g. a label set): a fraction of the head's cost."""
+        w = self._head_weight(ids)
+        return self._cap(h @ w.T)
+
+    def _head_weight(self, ids):
+        layer = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            return mx.dequantize(layer.weight[ids], layer.scales[ids], layer.biases[ids],
+                                 group_size=layer.group_size, bits=layer.bits)
+        return layer.weight[ids]
+
+    def _cap(self, logits):
+        cap = self.config.final_softcap
+        return logits if cap is None else mx.tanh(logits / cap) * cap

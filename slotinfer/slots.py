@@ -1,0 +1,109 @@
+"""The slot table: the Inferencer's device state, and the attention views the model runs through.
+
+Each of the ``b`` slots holds one item's K/V cache, preallocated once for every layer
+as ``[b, kv_heads, capacity, head_dim]``.  Column ``max_len`` is a trash column:
+writes of padding and of idle rows land there, so no real position is ever clobbered
+and no shape has to change.  The model never sees slots: it calls ``ctx.update`` and
+``ctx.mask`` on one of the views below, exactly as on the single-sequence cache.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .cache import window_mask
+
+
+class SlotTable:
+    """Per-layer K/V for ``slots`` rows of up to ``max_len`` tokens each."""
+
+    def __init__(self, config, *, slots: int, max_len: int, dtype):
+        self.slots, self.max_len = slots, max_len
+        self.capacity = max_len + 1  # + the trash column
+        self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+        shape = (slots, self.kv_heads, self.capacity, self.head_dim)
+        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        mx.eval(self.keys, self.values)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    def flat_index(self, rows, positions):
+        """Row-major index of (row, head, position) into a layer flattened to [b*heads*capacity, head_dim].
+
+        ``rows`` is [n], ``positions`` [n, L]; the result is [n, heads, L].  One
+        advanced index keeps the scatter a single O(n*L) in-place write.
+        """
+        heads = mx.arange(self.kv_heads)
+        base = (rows[:, None] * self.kv_heads + heads[None]) * self.capacity  # [n, heads]
+        return base[:, :, None] + positions[:, None, :]
+
+
+def scatter(cache, index, new):
+    """Write ``new`` [n, heads, L, dim] into ``cache`` at ``index`` [n, heads, L]; returns the updated cache."""
+    b, h, cap, d = cache.shape
+    flat = cache.reshape(b * h * cap, d)
+    flat[index] = new
+    return flat.reshape(b, h, cap, d)
+
+
+class DecodeView:
+    """Attention context of one decode step: one new token per slot.
+
+    ``positions`` [b] is where each slot's new token goes (its current length; the
+    trash column for idle slots); attention covers the first ``span`` columns only,
+    so a step costs what the live lengths need, not the capacity.
+    """
+
+    def __init__(self, table_keys, table_values, index, positions, span: int):
+        self.keys, self.values = list(table_keys), list(table_values)
+        self.index, self.offset, self.span = index, positions, span
+        self._masks = {}
+
+    def update(self, layer, k, v):
+        self.keys[layer] = scatter(self.keys[layer], self.index, k)
+        self.values[layer] = scatter(self.values[layer], self.index, v)
+        return self.keys[layer][:, :, : self.span], self.values[layer][:, :, : self.span]
+
+    def mask(self, layer, L, window):
+        if window not in self._masks:
+            m = window_mask(self.offset[:, None], mx.arange(self.span), window)  # [b, 1, span]
+            self._masks[window] = m[:, None]
+        return self._masks[window]
+
+
+class PrefillView:
+    """Attention context of the Encoder: new prompt tokens of ``rows``, padded on the right.
+
+    Row ``i`` writes its chunk at ``starts[i] ...``; tokens after ``lens[i]`` are
+    padding and go to the trash column.  When every row starts at 0 the queries
+    attend to the fresh K/V directly; a later chunk attends to what its slot holds.
+    """
+
+    def __init__(self, table, rows, starts, lens, chunk: int, span: int, fresh: bool):
+        self.table = table
+        self.rows, self.offset = rows, starts
+        j = mx.arange(chunk)[None]
+        q_pos = starts[:, None] + j  # [n, L]
+        write = mx.where(j < lens[:, None], q_pos, table.max_len)
+        self.index = table.flat_index(rows, write)
+        self.q_pos = q_pos
+        self.fresh = fresh
+        self.span = chunk if fresh else span
+        self._masks = {}
+
+    def update(self, layer, k, v):
+        t = self.table
+        t.keys[layer] = scatter(t.keys[layer], self.index, k)
+        t.values[layer] = scatter(t.values[layer], self.index, v)
+        if self.fresh:
+            return k, v
+        return t.keys[layer][self.rows, :, : self.span], t.values[layer][self.rows, :, : self.span]
+
+    def mask(self, layer, L, window):
+        if window not in self._masks:
+            k_pos = mx.arange(self.span)
+            self._masks[window] = window_mask(self.q_pos, k_pos, window)[:, None]  # [n, 1, L, span]
+        return self._masks[window]
