@@ -14,6 +14,8 @@ BLAS = _blas.ensure_blas()
 from .errors import *  # noqa: E402,F401,F403
 from .loader import load  # noqa: E402,F401
 from .model import Model  # noqa: E402,F401
-from .types import Completion  # noqa: E402,F401
+from .types import BatchResult, ClassifyResult, Completion  # noqa: E402,F401
+from .handle import Handle, StreamEvent  # noqa: E402,F401
+from .inferencer import Inferencer, Request  # noqa: E402,F401
 
 __version__ = "0.1.0"

@@ -56,6 +56,8 @@ class Engine:
         self.pos = np.full(slots, max_len, dtype=np.int32)  # where each slot's next token is written
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
         self._pending: _Issued | None = None
+        mx.eval(self.tokens, self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.min_p,
+                self.rows.penalty, self.rows.seeds, self.rows.steps)
         self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, prefill_s=0.0, step_s=0.0,
                              occupancy=0, submitted=0)
         self._t0 = time.perf_counter()

@@ -15,6 +15,8 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from .engine import Engine
 from .errors import EngineClosed, EngineError, QueueFull, SlotinferError
 from .handle import Handle
@@ -148,6 +150,11 @@ class Inferencer:
     # -- the worker -------------------------------------------------------------
 
     def _run(self):
+        # MLX streams belong to the thread that made them: the worker gets its own.
+        with mx.stream(mx.new_stream(mx.default_device())):
+            self._loop()
+
+    def _loop(self):
         engine = self.engine
         while True:
             self._drain_inbox(block=not engine.busy)

@@ -46,3 +46,4 @@ class ClassifyResult:
     label: str | None = None
     scores: dict[str, float] | None = None
     error: Exception | None = None
+    prompt_tokens: int = 0  # tokens the prompt ran as (prefix included)

@@ -1,0 +1,460 @@
+"""Classification: prefill only, scored at each prompt's last real token.
+
+``classify(model, prompts, ...)`` runs every prompt through the decoder once and
+returns, per prompt, the next token (greedy or sampled), optionally the full-vocab
+logits at its last real token, and optionally a distribution over a label set.
+Where the time goes, and what is done about it:
+
+* **Batching by a token budget.** Prompts are sorted by length (longest first) and
+  cut into batches whose *padded* size (rows x longest row) stays within
+  ``token_budget``; short prompts travel many to a batch, long ones few.  Sorting
+  keeps the padding small; right padding plus a causal mask means a real token never
+  sees a pad.  A prompt longer than the budget runs alone.
+* **The LM head only where it is needed.** Hidden states of the last real token of
+  each row are gathered first; the head (the largest matmul of a short prompt) is
+  applied to those rows only, never to ``[N, L, vocab]``; and with a label set of
+  single-token labels, only the label rows of the head are computed.
+* **A shared prefix is encoded once.** ``prefix`` (an instruction) runs through the
+  model once into a K/V cache; every batch attends to that K/V (broadcast over its
+  rows) plus its own tokens, with rope positions starting after the prefix.
+
+Semantics (chosen so that every path computes the same numbers):
+
+* **Prompt ids.**  Without ``prefix``, a prompt is tokenized as
+  :meth:`Model.encode_prompt` does (BOS added as the tokenizer says); a list of ids
+  is used as given.  With ``prefix``, the ids are ``prefix_ids + sentence_ids``:
+  the prefix text is tokenized *with* special tokens (so the BOS, if the model uses
+  one, comes once, in front of the prefix) and each sentence *without* them; a
+  prefix or sentence given as a list of ids is used as given.  This is not always
+  the tokenization of the concatenated string (a tokenizer may merge across the
+  boundary), but it is what sharing the prefix's K/V computes, and
+  ``share_prefix=False`` (recompute the prefix in every row) uses exactly the same
+  ids, so the two agree to float tolerance.
+* **Labels.**  A label is scored as the text that *follows* the prompt: its ids
+  are ``tokenizer.encode(label_prefix + label, add_special_tokens=False)``.  No
+  space is added by default (``label_prefix=""``); with a prompt ending in
+  ``"Answer:"``, pass ``label_prefix=" "`` to score the usual ``" yes"`` tokens.
+  The score of a label is its exact sequence log-probability
+  ``sum_j log p(t_j | prompt, t_<j)``, normalized over the label set
+  (log-softmax over the labels' sequence log-probs); ``.scores`` maps each label
+  to that value, ``.label`` is the chosen label, ``.token`` its first token id.
+* **What exactness costs.**  The full-vocab normalizer at the prompt's last
+  position is the same for every label, so it cancels in the normalization: a set
+  of single-token labels needs only the label rows of the head at one position.
+  A multi-token label's later tokens are predicted from label-specific contexts
+  whose normalizers do not cancel: for those, the label tokens are run after the
+  prompt (a second, short forward attending to the prompt's K/V) and the full
+  head is applied at each of those positions (only there).
+* **Choosing.**  Without labels, ``.token`` is the argmax of the logits
+  (``temperature=0``) or a seeded draw with the usual ``top_k``/``top_p``/
+  ``min_p`` filters (:func:`slotinfer.sampling.sample`); prompt ``i`` draws with
+  seed ``seed + i``, exactly as ``model.generate(ids_i, seed=seed + i,
+  max_tokens=1)`` would.  With labels the choice is restricted to the label set:
+  the same rule applied to the ``[labels]`` scores.
+
+Per-prompt problems (empty, too long for the context, ids outside the vocabulary)
+come back as ``ClassifyResult.error``; the other prompts still complete.  Problems
+of the whole request (bad labels, bad sampling parameters, a bad prefix) raise
+:class:`~slotinfer.errors.InvalidRequestError`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import window_mask
+from .errors import InvalidRequestError, PromptTooLongError
+from .sampling import SamplingParams, sample
+from .types import ClassifyResult
+
+__all__ = ["classify", "DEFAULT_TOKEN_BUDGET", "encode_labels", "LabelSet"]
+
+DEFAULT_TOKEN_BUDGET = 1024  # padded tokens per forward; see docs/classify.md for the measurement
+_FAR = 1 << 30  # key position of a slot that must stay invisible (padding of an earlier segment)
+_HEAD_CHUNK = 64  # rows per full-vocab head call when scoring multi-token labels
+
+
+# -- labels -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LabelSet:
+    """Labels with their token ids; ``first`` are the distinct first tokens."""
+
+    names: tuple[str, ...]
+    ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def first(self) -> list[int]:
+        return sorted({t[0] for t in self.ids})
+
+    @property
+    def multi(self) -> list[int]:
+        """Indices of the labels with two tokens or more."""
+        return [i for i, t in enumerate(self.ids) if len(t) > 1]
+
+    @property
+    def longest(self) -> int:
+        return max(len(t) for t in self.ids)
+
+
+def encode_labels(model, labels, label_prefix: str = "") -> LabelSet:
+    """Validate and tokenize a label set (see the module docstring for the rules)."""
+    if isinstance(labels, str) or not isinstance(labels, Sequence) or not len(labels):
+        raise InvalidRequestError("labels must be a non-empty list of strings, e.g. labels=['positive', 'negative']")
+    if not isinstance(label_prefix, str):
+        raise InvalidRequestError(f"label_prefix must be a str, got {type(label_prefix).__name__}")
+    names, ids, seen, by_ids = [], [], set(), {}
+    for label in labels:
+        if not isinstance(label, str):
+            raise InvalidRequestError(f"every label must be a str, got {label!r} ({type(label).__name__})")
+        if label in seen:
+            raise InvalidRequestError(f"duplicate label {label!r}: each label may appear once")
+        seen.add(label)
+        toks = tuple(model.tokenizer.encode(label_prefix + label, add_special_tokens=False))
+        if not toks:
+            raise InvalidRequestError(
+                f"label {label!r} tokenizes to no tokens (with label_prefix {label_prefix!r}); give it visible text")
+        bad = [t for t in toks if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"label {label!r} tokenizes to ids {bad} outside the model's vocabulary")
+        if toks in by_ids:
+            raise InvalidRequestError(
+                f"labels {by_ids[toks]!r} and {label!r} tokenize to the same ids {list(toks)}; they cannot be told apart")
+        by_ids[toks] = label
+        names.append(label)
+        ids.append(toks)
+    return LabelSet(tuple(names), tuple(ids))
+
+
+# -- the attention context ------------------------------------------------------------
+
+class BatchContext:
+    """Attention context of one classify forward (see the protocol in ``models/transformer.py``).
+
+    ``B`` right-padded rows of ``L`` new tokens each attend to ``past`` K/V (earlier
+    segments: a shared prefix, a prompt's own K/V) followed by their own K/V.
+
+    * ``offset``: rope position of each row's first new token (int, or [B] array).
+    * ``past``: list of segments ``(kv, index)``; ``kv[layer] = (k, v)`` with a batch
+      dimension of 1 (broadcast to every row) or of its own rows, gathered with
+      ``index`` [B] when given.  Segments are concatenated in order.
+    * ``past_pos``: key position of every past column, ``[1 or B, S_past]``; a column
+      a row must not see (its padding) holds a huge position, so causality hides it.
+      ``None`` means the past is exactly positions ``0 .. offset-1`` for every row.
+    * ``keep``: remember this forward's own K/V per layer in ``kept``.
+    """
+
+    def __init__(self, num_layers: int, batch: int, *, offset=0, past=(), past_pos=None, keep=False):
+        self.B = batch
+        self.offset = offset
+        self.past = list(past)
+        self.past_pos = past_pos
+        self.kept = [None] * num_layers if keep else None
+        self._masks = {}
+
+    def update(self, layer, k, v):
+        if self.kept is not None:
+            self.kept[layer] = (k, v)
+        if not self.past:
+            return k, v
+        ks, vs = [], []
+        for kv, index in self.past:
+            pk, pv = kv[layer]
+            if index is not None:
+                pk, pv = pk[index], pv[index]
+            if pk.shape[0] != self.B:
+                pk = mx.broadcast_to(pk, (self.B,) + pk.shape[1:])
+                pv = mx.broadcast_to(pv, (self.B,) + pv.shape[1:])
+            ks.append(pk)
+            vs.append(pv)
+        return mx.concatenate(ks + [k], axis=2), mx.concatenate(vs + [v], axis=2)
+
+    def mask(self, layer, L, window):
+        key = (L, window)
+        if key not in self._masks:
+            self._masks[key] = self._build(L, window)
+        return self._masks[key]
+
+    def _build(self, L, window):
+        uniform = isinstance(self.offset, int) and self.past_pos is None
+        if uniform:
+            total = self.offset + L
+            if window is None or total <= window:
+                return None if L == 1 else "causal"  # bottom-right aligned: exactly what is needed
+            q_pos = mx.arange(self.offset, total)[None]
+            k_pos = mx.arange(total)[None]
+        else:
+            off = self.offset if isinstance(self.offset, int) else self.offset[:, None]
+            q_pos = off + mx.arange(L)[None]  # [1 or B, L]
+            rows = max(q_pos.shape[0], 1 if self.past_pos is None else self.past_pos.shape[0])
+            q_pos = mx.broadcast_to(q_pos, (rows, L))
+            past = self.past_pos if self.past_pos is not None else mx.arange(self.offset)[None]
+            k_pos = mx.concatenate([mx.broadcast_to(past, (rows, past.shape[1])), q_pos], axis=1)
+        return window_mask(q_pos, k_pos, window)[:, None]  # [rows, 1, L, S]
+
+
+# -- the run --------------------------------------------------------------------------
+
+def plan_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices grouped into batches, longest first, each at most ``budget`` padded tokens.
+
+    Sorted lengths make each batch's rows nearly equal, so little is padded; a row
+    longer than the budget forms a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _encode_prefix(model, prefix) -> list[int]:
+    if isinstance(prefix, str):
+        if not prefix:
+            raise InvalidRequestError("prefix is empty; pass prefix=None for no prefix")
+        ids = model.tokenizer.encode(prefix, add_special_tokens=True)
+    elif _is_ids(prefix):
+        ids = list(prefix)
+        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prefix token ids {bad[:5]} are outside the vocabulary [0, {model.config.vocab_size})")
+    else:
+        raise InvalidRequestError(f"prefix must be a str or a list of int token ids, got {type(prefix).__name__}")
+    if not ids:
+        raise InvalidRequestError("prefix tokenizes to no tokens; pass prefix=None for no prefix")
+    if len(ids) >= model.context_length:
+        raise PromptTooLongError(f"the prefix has {len(ids)} tokens; the model's context is {model.context_length}")
+    return ids
+
+
+def _encode_sentence(model, prompt, prefixed: bool) -> list[int]:
+    if not prefixed:
+        return model.encode_prompt(prompt)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty; give at least one character or token id")
+        ids = model.tokenizer.encode(prompt, add_special_tokens=False)
+    elif _is_ids(prompt):
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {model.config.vocab_size})")
+    else:
+        raise InvalidRequestError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise InvalidRequestError("the prompt is empty (it tokenizes to no tokens)")
+    return ids
+
+
+def _row(values, dtype=mx.float32):
+    return mx.array(values, dtype=dtype)
+
+
+class _Classifier:
+    def __init__(self, model, *, labels: LabelSet | None, return_logits: bool, params: SamplingParams,
+                 base_seed: int, prefix_ids: list[int], share: bool):
+        self.model, self.net = model, model.net
+        self.layers = model.config.num_layers
+        self.labels = labels
+        self.return_logits = return_logits
+        self.params = params
+        self.base_seed = base_seed
+        self.prefix_ids = prefix_ids
+        self.P = len(prefix_ids) if share else 0
+        self.prefix_kv = self._encode_prefix() if share and prefix_ids else None
+        if labels is not None:
+            self.first = labels.first
+            col = {t: j for j, t in enumerate(self.first)}
+            self.first_col = mx.array([col[t[0]] for t in labels.ids])
+            self.first_ids = mx.array(self.first)
+
+    def _encode_prefix(self):
+        ctx = BatchContext(self.layers, 1, keep=True)
+        self.net(mx.array([self.prefix_ids]), ctx)
+        kv = ctx.kept
+        mx.eval(kv)
+        return kv
+
+    # one batch -> lazy outputs
+    def run(self, rows: list[list[int]], indices: list[int]) -> dict:
+        B = len(rows)
+        L = max(len(r) for r in rows)
+        lens = np.array([len(r) for r in rows])
+        tokens = mx.array([r + [0] * (L - len(r)) for r in rows])
+        multi = self.labels.multi if self.labels is not None else []
+        past = [(self.prefix_kv, None)] if self.prefix_kv is not None else []
+        ctx = BatchContext(self.layers, B, offset=self.P, past=past, keep=bool(multi))
+        h = self.net(tokens, ctx)
+        last = h[mx.arange(B), mx.array(lens - 1)]  # [B, hidden]: the only positions the head sees
+        out = {}
+        full = None
+        if self.return_logits or self.labels is None:
+            full = self.net.head(last).astype(mx.float32)  # [B, vocab]
+            if self.return_logits:
+                out["logits"] = full
+        seeds = _row([(self.base_seed + i) % 2**32 for i in indices], mx.uint32)
+        if self.labels is None:
+            out["token"] = self._choose(full, seeds)
+            return out
+        if full is not None:
+            z0 = full[:, self.first_ids]
+        else:
+            z0 = self.net.head_rows(last, self.first_ids).astype(mx.float32)  # [B, distinct first tokens]
+        seq = z0[:, self.first_col]  # [B, labels]: log p(t_0) up to the shared normalizer
+        if multi:
+            seq = seq + self._continuations(ctx.kept, lens, multi)
+        scores = seq - mx.logsumexp(seq, axis=-1, keepdims=True)
+        choice = self._choose(scores, seeds)
+        out["scores"] = scores
+        out["choice"] = choice
+        return out
+
+    def _continuations(self, kept, lens: np.ndarray, multi: list[int]):
+        """[B, labels] sums of log p(t_j | prompt, t_<j) over j >= 1 (zero for one-token labels)."""
+        labels, net = self.labels, self.net
+        B, Lp = len(lens), kept[0][0].shape[2]
+        nl = len(labels.ids)
+        M1 = labels.longest - 1
+        R = len(multi) * B
+        bidx = np.tile(np.arange(B), len(multi))  # row r continues prompt bidx[r]
+        lab = np.repeat(np.array(multi), B)  # ... with label lab[r]
+        tokens = mx.array([list(labels.ids[lab[r]][:-1]) + [0] * (M1 - len(labels.ids[lab[r]]) + 1)
+                           for r in range(R)])
+        own = np.arange(Lp)[None] + self.P
+        own = np.where(np.arange(Lp)[None] < lens[bidx][:, None], own, _FAR)  # hide the prompt's padding
+        past_pos = own if not self.P else np.concatenate([np.broadcast_to(np.arange(self.P), (R, self.P)), own], 1)
+        past = ([(self.prefix_kv, None)] if self.prefix_kv is not None else []) + [(kept, mx.array(bidx))]
+        ctx = BatchContext(self.layers, R, offset=mx.array(self.P + lens[bidx]), past=past,
+                           past_pos=mx.array(past_pos))
+        h = net(tokens, ctx)  # [R, M1, hidden]
+        flat, target, owner = [], [], []
+        for r in range(R):
+            ids = labels.ids[lab[r]]
+            for j in range(len(ids) - 1):
+                flat.append(r * M1 + j)
+                target.append(ids[j + 1])
+                owner.append(int(bidx[r] * nl + lab[r]))
+        hs = h.reshape(R * M1, -1)[mx.array(flat)]
+        tgt = mx.array(target)
+        lps = []
+        for s in range(0, len(flat), _HEAD_CHUNK):  # the full head, only at label positions, in chunks
+            logits = net.head(hs[s:s + _HEAD_CHUNK]).astype(mx.float32)
+            picked = mx.take_along_axis(logits, tgt[s:s + _HEAD_CHUNK, None], axis=-1)[:, 0]
+            lps.append(picked - mx.logsumexp(logits, axis=-1))
+        total = mx.zeros((B * nl,), dtype=mx.float32).at[mx.array(owner)].add(mx.concatenate(lps))
+        return total.reshape(B, nl)
+
+    def _choose(self, logits, seeds):
+        p = self.params
+        if p.greedy:
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        n = logits.shape[0]
+        return sample(logits, _row([p.temperature] * n), _row([p.top_k] * n, mx.int32), _row([p.top_p] * n),
+                      _row([p.min_p] * n), seeds, mx.zeros((n,), dtype=mx.uint32),
+                      use_sort=p.top_k > 0 or p.top_p < 1)
+
+    def collect(self, out: dict, indices: list[int], lengths: list[int]) -> list[ClassifyResult]:
+        got = {k: np.array(v) for k, v in out.items()}
+        results = []
+        for row, i in enumerate(indices):
+            r = ClassifyResult(token=None, prompt_tokens=lengths[row])
+            if "logits" in got:
+                r.logits = got["logits"][row].astype(np.float32, copy=True)
+            if self.labels is None:
+                r.token = int(got["token"][row])
+            else:
+                c = int(got["choice"][row])
+                r.label = self.labels.names[c]
+                r.token = self.labels.ids[c][0]
+                r.scores = {name: float(s) for name, s in zip(self.labels.names, got["scores"][row])}
+            results.append(r)
+        return results
+
+
+def classify(model, prompts, *, return_logits: bool = False, labels=None, label_prefix: str = "",
+             prefix=None, share_prefix: bool = True, token_budget: int = DEFAULT_TOKEN_BUDGET,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+             seed: int | None = None,
+             on_result: Callable[[int, ClassifyResult], None] | None = None) -> list[ClassifyResult]:
+    """Classify every prompt with one prefill pass; results (:class:`ClassifyResult`) in input order.
+
+        >>> rs = classify(model, ["great film", "dull film"], prefix="Review: ", labels=["good", "bad"],
+        ...               label_prefix=" ")
+        >>> rs[0].label, rs[0].scores
+        >>> classify(model, ["2 + 2 ="], return_logits=True)[0].logits.shape   # (vocab,)
+
+    ``prompts``: strings or lists of token ids.  ``prefix``: text (or ids) put in front
+    of every prompt and encoded once (``share_prefix=False`` recomputes it per row, for
+    checking).  ``labels``: restrict the answer to these continuations and score them
+    exactly (``label_prefix`` is prepended to each label's text before tokenizing).
+    ``token_budget``: padded tokens per forward.  ``on_result(index, result)`` is called
+    as each prompt finishes (batches finish longest prompts first), e.g. to stream
+    results to a file.  See the module docstring for the exact semantics.
+    """
+    params = SamplingParams(temperature, top_k, top_p, min_p, 1.0, seed)
+    if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
+        raise InvalidRequestError(f"token_budget must be an int >= 1 (padded tokens per forward), got {token_budget!r}")
+    if isinstance(prompts, str) or _is_ids(prompts) and prompts:
+        raise InvalidRequestError("prompts must be a list of prompts (strings or lists of token ids), "
+                                  "not a single prompt; wrap it in a list")
+    prompts = list(prompts)
+    label_set = encode_labels(model, labels, label_prefix) if labels is not None else None
+    prefix_ids = _encode_prefix(model, prefix) if prefix is not None else []
+    share = bool(share_prefix) and bool(prefix_ids)
+    extra = label_set.longest - 1 if label_set is not None else 0
+
+    results: list[ClassifyResult | None] = [None] * len(prompts)
+    own: dict[int, list[int]] = {}  # the tokens each row runs (after the shared prefix when sharing)
+    for i, p in enumerate(prompts):
+        try:
+            ids = _encode_sentence(model, p, prefixed=prefix is not None)
+            total = len(prefix_ids) + len(ids)
+            if total + extra >= model.context_length:
+                what = f"{len(prefix_ids)} prefix + {len(ids)} prompt tokens" if prefix_ids else f"{len(ids)} tokens"
+                more = f" plus {extra} label tokens" if extra else ""
+                raise PromptTooLongError(
+                    f"the prompt has {what}{more}; the model's context is {model.context_length}: shorten it")
+            own[i] = ids if share else prefix_ids + ids
+        except Exception as e:  # noqa: BLE001 - a bad prompt fails alone
+            results[i] = ClassifyResult(token=None, error=e)
+            if on_result is not None:
+                on_result(i, results[i])
+    if not own:
+        return results
+
+    base_seed = params.seed if params.seed is not None else random.getrandbits(32)
+    runner = _Classifier(model, labels=label_set, return_logits=return_logits, params=params,
+                         base_seed=base_seed, prefix_ids=prefix_ids, share=share)
+    keys = list(own)
+    batches = [[keys[j] for j in b] for b in plan_batches([len(own[k]) for k in keys], token_budget)]
+    pending = None
+
+    def finish(batch, out):
+        lengths = [len(prefix_ids) + len(own[i]) if share else len(own[i]) for i in batch]
+        for i, r in zip(batch, runner.collect(out, batch, lengths)):
+            results[i] = r
+            if on_result is not None:
+                on_result(i, r)
+
+    for batch in batches:  # build batch k+1's graph while batch k computes
+        out = runner.run([own[i] for i in batch], batch)
+        mx.async_eval(list(out.values()))
+        if pending is not None:
+            finish(*pending)
+        pending = (batch, out)
+    finish(*pending)
+    return results

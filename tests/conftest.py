@@ -1,0 +1,34 @@
+"""Shared fixtures: one tiny model per family, written in published layouts and loaded for real."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import slotinfer
+from slotinfer.testing import FAMILIES, make_tiny_model
+
+settings.register_profile(
+    "ci", max_examples=int(os.environ.get("SLOTINFER_EXAMPLES", "12")), deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
+)
+settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+
+    def get(family, **kw):
+        name = family + "".join(f"-{k}={v}" for k, v in sorted(kw.items()))
+        path = root / name
+        if not path.exists():
+            make_tiny_model(family, path, **kw)
+        return path
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def models(model_dir):
+    return {f: slotinfer.load(model_dir(f)) for f in FAMILIES}

@@ -1,0 +1,173 @@
+"""The slot engine against the single-sequence reference, plus its worker, queues and errors."""
+
+import asyncio
+import queue
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import slotinfer
+from slotinfer.cache import SequenceCache
+from slotinfer.engine import Engine
+from slotinfer.errors import EngineClosed, InvalidRequestError, PromptTooLongError, QueueFull
+from slotinfer.testing import FAMILIES
+
+PROMPTS = [
+    "Hello there, how are you today?",
+    "The quick brown fox jumps over the lazy dog, again and again, until the dog wakes up and leaves.",
+    "x",
+    "Les enfants jouent dans le jardin pendant que le soleil se couche.",
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_generate_matches_generate(models, family):
+    m = models[family]
+    refs = [m.generate(p, max_tokens=12) for p in PROMPTS]
+    got = m.batch_generate(PROMPTS, max_tokens=12, slots=3, prefill_tokens=16)
+    assert [g.tokens for g in got] == [r.tokens for r in refs]
+    assert [g.text for g in got] == [r.text for r in refs]
+    assert [g.finish_reason for g in got] == [r.finish_reason for r in refs]
+
+
+def test_batch_generate_keeps_order_and_isolates_bad_prompts(models):
+    m = models["qwen3"]
+    got = m.batch_generate(["Hello", "", 42, "world", [10**9]], max_tokens=4)
+    assert got[0].error is None and got[3].error is None
+    assert [type(got[i].error) for i in (1, 2, 4)] == [InvalidRequestError] * 3
+    assert got[0].tokens == m.generate("Hello", max_tokens=4).tokens
+    assert got[3].tokens == m.generate("world", max_tokens=4).tokens
+
+
+def test_stop_string_across_tokens_is_not_emitted(models):
+    m = models["llama"]
+    ref = m.generate(PROMPTS[1], max_tokens=24, ignore_eos=True)
+    assert len(ref.text) > 8
+    stop = ref.text[3:7]  # spans token boundaries in general
+    want = m.generate(PROMPTS[1], max_tokens=24, ignore_eos=True, stop=[stop])
+    assert want.finish_reason == "stop" and stop not in want.text
+    assert want.text == ref.text[: ref.text.find(stop)]
+    with slotinfer.Inferencer(m, slots=2, max_len=128) as inf:
+        h = inf.submit(PROMPTS[1], max_tokens=24, ignore_eos=True, stop=[stop])
+        streamed = "".join(ev.text for ev in h)
+        got = h.result()
+    assert (got.tokens, got.text, got.finish_reason) == (want.tokens, want.text, want.finish_reason)
+    assert streamed == got.text
+
+
+def test_stop_token_ids_and_ignore_eos(models):
+    m = models["qwen2"]
+    ref = m.generate(PROMPTS[0], max_tokens=10, ignore_eos=True)
+    stop_id = ref.tokens[4]
+    first = ref.tokens.index(stop_id)
+    got = m.batch_generate([PROMPTS[0]], max_tokens=10, ignore_eos=True, stop_token_ids=[stop_id])[0]
+    assert got.tokens == ref.tokens[: first + 1] and got.finish_reason == "stop"
+
+
+def test_logprobs_match_a_full_forward(models):
+    m = models["gemma2"]
+    with slotinfer.Inferencer(m, slots=2, max_len=64) as inf:
+        c = inf.generate(PROMPTS[0], max_tokens=6, ignore_eos=True, top_logprobs=3)
+    ids = m.encode_prompt(PROMPTS[0])
+    seq = ids + c.tokens
+    h = m.net(mx.array([seq]), SequenceCache(m.config.num_layers))
+    logits = m.net.head(h[0, len(ids) - 1: len(seq) - 1]).astype(mx.float32)
+    ref = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    want = [ref[i, t] for i, t in enumerate(c.tokens)]
+    np.testing.assert_allclose(c.logprobs, want, atol=2e-4)
+    assert len(c.top_logprobs) == 6 and all(len(t) == 3 for t in c.top_logprobs)
+    best = [int(np.argmax(ref[i])) for i in range(6)]
+    assert [t[0][0] for t in c.top_logprobs] == best
+
+
+def test_max_len_is_validated_at_submit(models):
+    m = models["qwen3"]
+    with slotinfer.Inferencer(m, slots=1, max_len=16) as inf:
+        with pytest.raises(PromptTooLongError, match="max_len"):
+            inf.submit(PROMPTS[1], max_tokens=4)
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            inf.submit("hi", max_tokens=0)
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            inf.submit("hi", temperature=-1)
+        assert inf.generate("hi", max_tokens=3).tokens == m.generate("hi", max_tokens=3).tokens
+
+
+def test_queue_full_and_closed(models):
+    m = models["qwen3"]
+    inf = slotinfer.Inferencer(m, slots=1, max_len=64, max_queue=1, start=False)
+    inf.submit("hello", max_tokens=2)
+    with pytest.raises(QueueFull):
+        inf.submit("hello", max_tokens=2, block=False)
+    inf.start()
+    inf.close()
+    with pytest.raises(EngineClosed):
+        inf.submit("hello")
+
+
+def test_close_without_drain_cancels_everything(models):
+    m = models["llama"]
+    inf = slotinfer.Inferencer(m, slots=1, max_len=256, start=False)
+    handles = [inf.submit(p, max_tokens=200, ignore_eos=True) for p in PROMPTS]
+    inf.start()
+    inf.close(drain=False)
+    reasons = [h.result(timeout=30).finish_reason for h in handles]
+    assert set(reasons) <= {"cancelled", "length"} and "cancelled" in reasons
+    assert inf.engine.items.free == [0]
+
+
+def test_asyncio_generate_and_stream(models):
+    m = models["qwen2"]
+    want = m.generate(PROMPTS[0], max_tokens=8)
+
+    async def main(inf):
+        a = await inf.generate_async(PROMPTS[0], max_tokens=8)
+        events = [ev async for ev in inf.stream_async(PROMPTS[0], max_tokens=8)]
+        return a, events
+
+    with slotinfer.Inferencer(m, slots=2, max_len=64) as inf:
+        a, events = asyncio.run(main(inf))
+    assert a.tokens == want.tokens
+    assert [e.token for e in events] == want.tokens
+    assert "".join(e.text for e in events) == want.text
+
+
+def test_serve_queue_from_producer_threads(models):
+    m = models["gemma3_text"]
+    in_q, out_q = queue.Queue(), queue.Queue()
+    reqs = [{"id": i, "prompt": p, "max_tokens": 5} for i, p in enumerate(PROMPTS)] + [{"id": "bad", "prompt": ""}]
+    with slotinfer.Inferencer(m, slots=2, max_len=128) as inf:
+        server = threading.Thread(target=inf.serve_queue, args=(in_q, out_q))
+        server.start()
+        producers = [threading.Thread(target=in_q.put, args=(r,)) for r in reqs]
+        [p.start() for p in producers]
+        [p.join() for p in producers]
+        in_q.put(None)
+        server.join(timeout=60)
+    out = []
+    while (c := out_q.get(timeout=5)) is not None:
+        out.append(c)
+    by_id = {c.request_id: c for c in out}
+    assert sorted(by_id, key=str) == sorted([r["id"] for r in reqs], key=str) and len(out) == len(reqs)
+    assert by_id["bad"].finish_reason == "error" and isinstance(by_id["bad"].error, InvalidRequestError)
+    for i, p in enumerate(PROMPTS):
+        assert by_id[i].tokens == m.generate(p, max_tokens=5).tokens
+
+
+def test_stats_and_memory_are_reported(models):
+    m = models["qwen3"]
+    with slotinfer.Inferencer(m, slots=4, max_len=64) as inf:
+        for h in [inf.submit(p, max_tokens=4, ignore_eos=True) for p in PROMPTS]:
+            c = h.result()
+            assert c.metrics["queue_wait_s"] >= 0 and c.metrics["time_to_first_token_s"] > 0
+        s, mem = inf.stats(), inf.memory()
+    assert s["finished"] == 4 and s["decode_tokens"] >= 4 * 3 and s["steps"] >= 3
+    assert 0 < s["mean_occupancy"] <= 4
+    c = m.config
+    assert mem["kv_cache_bytes"] == 2 * c.num_layers * 4 * c.num_kv_heads * 65 * c.head_dim * 4
+
+
+def test_engine_rejects_bad_construction(models):
+    with pytest.raises(ValueError):
+        Engine(models["qwen3"], slots=0, max_len=16)
