@@ -8,12 +8,16 @@ the host copies them once per step, one step behind (see ``engine.py``).
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from .sampling import logprobs_of, penalize, sample
 from .slots import DecodeView, SlotTable
 
 SPAN_BUCKET = 64  # attention spans are rounded up to this, so a few compiled shapes serve every length
+# SLOTINFER_COMPILE=0 runs the step eagerly (for debugging and for comparing the two).
+COMPILE = os.environ.get("SLOTINFER_COMPILE", "1") != "0"
 
 
 class Decoder:
@@ -31,7 +35,7 @@ class Decoder:
         key = (span, rows.all_greedy, rows.use_sort, rows.seen is not None, top_n)
         fn = self._compiled.get(key)
         if fn is None:
-            fn = self._compiled[key] = mx.compile(self._make(*key))
+            fn = self._compiled[key] = (mx.compile if COMPILE else (lambda f: f))(self._make(*key))
         seen = rows.seen if rows.seen is not None else mx.zeros((1,), dtype=mx.bool_)
         out = fn(tokens, t.keys, t.values, positions, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
                  rows.seeds, rows.steps, rows.penalty, seen)

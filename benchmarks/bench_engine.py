@@ -1,0 +1,72 @@
+"""Engine throughput next to mlx-lm's BatchGenerator, side by side in one process.
+
+Workload: a random-weight model of Qwen3-0.6B's shape (stored bf16, as published),
+prompts of 32 tokens, exactly 64 generated tokens each (EOS ignored), at 1, 8 and
+32 sequences.  mlx-lm gets its best CPU setup: the same optimized BLAS (slotinfer,
+imported first, loads it for the whole process) and weights cast to float32.
+
+    python benchmarks/bench_engine.py                 # needs `pip install mlx-lm` for the comparison
+    python benchmarks/bench_engine.py --slots 32 --repeats 3
+"""
+
+import argparse
+import statistics
+import time
+
+import slotinfer  # first: installs the BLAS before mlx.core loads
+import mlx.core as mx
+from slotinfer.bench import bench_model_path, engine_tokens_per_s, prompts_of
+
+
+def mlx_lm_tokens_per_s(lm_model, prompts, gen_tokens):
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(lm_model, stop_tokens=[], completion_batch_size=len(prompts),
+                         prefill_batch_size=len(prompts))
+    t0 = time.perf_counter()
+    gen.insert(prompts, [gen_tokens] * len(prompts))
+    n = 0
+    while responses := gen.next_generated():
+        n += len(responses)
+    wall = time.perf_counter() - t0
+    gen.close()
+    return n / wall
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--slots", default="1,8,32")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-mlx-lm", action="store_true")
+    args = ap.parse_args()
+
+    path = bench_model_path()
+    model = slotinfer.load(path)
+    lm = None
+    if not args.no_mlx_lm:
+        try:
+            import mlx_lm
+            lm, _ = mlx_lm.load(str(path))
+            lm.set_dtype(mx.float32)
+        except ImportError:
+            print("mlx-lm not installed: `pip install mlx-lm` for the side-by-side column")
+    print(f"BLAS {slotinfer.BLAS.name}; slotinfer dtype {model.dtype}; median of {args.repeats}")
+    print(f"{'seqs':>4} {'slotinfer tok/s':>16} {'mlx-lm f32 tok/s':>17} {'ratio':>6}")
+    for slots in [int(s) for s in args.slots.split(",")]:
+        ours, theirs = [], []
+        prompts = prompts_of(model, slots, args.prompt_tokens, seed=slots)
+        if lm is not None:
+            mlx_lm_tokens_per_s(lm, prompts[:1], 4)  # warm up
+        for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both alike
+            ours.append(engine_tokens_per_s(model, slots, args.prompt_tokens, args.gen_tokens)["tokens_per_s"])
+            if lm is not None:
+                theirs.append(mlx_lm_tokens_per_s(lm, prompts, args.gen_tokens))
+        a = statistics.median(ours)
+        b = statistics.median(theirs) if theirs else float("nan")
+        print(f"{slots:>4} {a:>16.1f} {b:>17.1f} {a / b:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

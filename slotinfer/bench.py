@@ -1,0 +1,128 @@
+"""``slotinfer bench``: throughput of the slot engine on a Qwen3-0.6B-shaped model.
+
+Workload (mirrors the peers' figures in DESIGN.md): prompts of 32 tokens, exactly 64
+generated tokens each (``ignore_eos``), at 1, 8 and 32 slots.  Random weights, so
+the model is built locally once and cached; its shape, not its words, sets the speed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import slotinfer
+
+QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=3072, vocab_size=151936)
+CACHE = Path(os.environ.get("SLOTINFER_CACHE", Path.home() / ".cache" / "slotinfer"))
+
+
+def add_arguments(p):
+    p.add_argument("--model", help="model folder (default: a random Qwen3-0.6B-shaped model, built once)")
+    p.add_argument("--slots", default="1,8,32", help="comma-separated slot counts")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="runs per point; the median is printed")
+    p.add_argument("--dtype", help="compute dtype override (default: the device policy)")
+    p.add_argument("--max-len-sweep", action="store_true", help="decode step time vs max_len 512..8192")
+    p.add_argument("--mixed", action="store_true", help="continuous vs static batching on mixed lengths")
+
+
+def bench_model_path() -> Path:
+    path = CACHE / "bench" / "qwen3-0.6b-shape"
+    if not (path / "config.json").exists():
+        from .testing import make_tiny_model
+        print(f"building a random Qwen3-0.6B-shaped checkpoint (bf16, as published) in {path} ...", flush=True)
+        make_tiny_model("qwen3", path, overrides=QWEN3_06B, dtype="bfloat16")
+    return path
+
+
+def prompts_of(model, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = model.tokenizer.vocab_size
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def engine_tokens_per_s(model, slots: int, prompt_tokens: int, gen_tokens: int, *, max_len=None) -> dict:
+    """Run ``slots`` requests to completion on an Inferencer; aggregate and decode-only tokens/s."""
+    prompts = prompts_of(model, slots, prompt_tokens, seed=slots)
+    with slotinfer.Inferencer(model, slots=slots, max_len=max_len or prompt_tokens + gen_tokens + 8,
+                              prefill_tokens=max(512, prompt_tokens * slots)) as inf:
+        inf.generate(prompts[0], max_tokens=4, ignore_eos=True)  # compile the step outside the timing
+        t0 = time.perf_counter()
+        handles = [inf.submit(p, max_tokens=gen_tokens, ignore_eos=True) for p in prompts]
+        results = [h.result() for h in handles]
+        wall = time.perf_counter() - t0
+    n = sum(len(r.tokens) for r in results)
+    first = max(r.metrics["time_to_first_token_s"] for r in results)
+    return {"tokens_per_s": n / wall, "decode_tokens_per_s": (n - slots) / max(wall - first, 1e-9), "wall_s": wall}
+
+
+def step_time_vs_max_len(model, slots=8, live=128, lens=(512, 2048, 8192)) -> dict:
+    """Median decode step time at fixed live lengths, for growing cache capacity."""
+    out = {}
+    for max_len in lens:
+        prompts = prompts_of(model, slots, live)
+        with slotinfer.Inferencer(model, slots=slots, max_len=max_len, prefill_tokens=live * slots,
+                                  start=False) as inf:
+            eng = inf.engine
+            items = [eng.make_item(p, max_tokens=40, ignore_eos=True) for p in prompts]
+            for it in items:
+                eng.add(it)
+            times = []
+            while eng.busy:
+                t = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t)
+            out[max_len] = statistics.median(times[5:-2]) * 1e3
+    return out
+
+
+def mixed_workload(model, slots=8, n=48, seed=0):
+    """Prompt and output lengths drawn from 16..512: continuous admission vs static batches."""
+    rng = random.Random(seed)
+    reqs = [(rng.randint(16, 512), rng.randint(16, 512)) for _ in range(n)]
+    vocab = model.tokenizer.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(p)] for p, _ in reqs]
+    gens = [g for _, g in reqs]
+    total = sum(gens)
+    res = {}
+    for mode in ("continuous", "static"):
+        with slotinfer.Inferencer(model, slots=slots, max_len=1100, prefill_tokens=512) as inf:
+            t0 = time.perf_counter()
+            if mode == "continuous":
+                hs = [inf.submit(p, max_tokens=g, ignore_eos=True) for p, g in zip(prompts, gens)]
+                [h.result() for h in hs]
+            else:
+                for i in range(0, n, slots):
+                    hs = [inf.submit(p, max_tokens=g, ignore_eos=True)
+                          for p, g in zip(prompts[i:i + slots], gens[i:i + slots])]
+                    [h.result() for h in hs]
+            res[mode] = total / (time.perf_counter() - t0)
+    res["ratio"] = res["continuous"] / res["static"]
+    return res
+
+
+def run(args) -> int:
+    model = slotinfer.load(args.model or bench_model_path(), dtype=args.dtype)
+    print(f"model: {model}\nBLAS: {slotinfer.BLAS.name}  compute dtype: {model.dtype}")
+    if args.max_len_sweep:
+        for max_len, ms in step_time_vs_max_len(model).items():
+            print(f"max_len {max_len:>5}: decode step {ms:7.1f} ms (8 slots, ~128 live tokens)")
+        return 0
+    if args.mixed:
+        r = mixed_workload(model)
+        print(f"mixed lengths, 8 slots: continuous {r['continuous']:.1f} tok/s, static {r['static']:.1f} tok/s, "
+              f"ratio {r['ratio']:.2f}x")
+        return 0
+    print(f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated each; median of {args.repeats}")
+    print(f"{'slots':>5} {'tokens/s':>10} {'decode tokens/s':>16}")
+    for slots in [int(s) for s in args.slots.split(",")]:
+        runs = [engine_tokens_per_s(model, slots, args.prompt_tokens, args.gen_tokens) for _ in range(args.repeats)]
+        agg = statistics.median(r["tokens_per_s"] for r in runs)
+        dec = statistics.median(r["decode_tokens_per_s"] for r in runs)
+        print(f"{slots:>5} {agg:>10.1f} {dec:>16.1f}", flush=True)
+    return 0
