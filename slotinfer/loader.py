@@ -230,14 +230,15 @@ def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
     for name, w in weights.items():
         module, kind = name.rsplit(".", 1)
         if module in quant and not keep_q:
-            if kind != "weight":
+            if kind in ("scales", "biases"):  # consumed by dequantize; a Linear's own "bias" stays
                 continue
+        if module in quant and not keep_q and kind == "weight":
             q = quant[module]
             w = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
                               group_size=q["group_size"], bits=q["bits"])
         if cfg.norm_offset and name.endswith("norm.weight"):
             w = w.astype(mx.float32) + cfg.norm_offset
-        if mx.issubdtype(w.dtype, mx.floating) and not (keep_q and module in quant and kind != "weight"):
+        if mx.issubdtype(w.dtype, mx.floating) and not (keep_q and module in quant and kind in ("scales", "biases")):
             w = w.astype(compute)
         out[name] = w
     if not keep_q:
