@@ -81,6 +81,18 @@ class Model:
         """
         return batch_generate(self, prompts, **params)
 
+    def classify(self, prompts, **kw) -> list:
+        """Prefill-only classification: a token (and optional logits) at each prompt's last token,
+        or the best of ``labels`` with normalized log-probability ``scores``.  See
+        :func:`slotinfer.classify.classify` for every option.
+
+            >>> r = model.classify(["Goal!"], labels=["sport", "news"], prefix="Topic: ")[0]
+            >>> r.label, r.scores
+        """
+        from .classify import classify
+
+        return classify(self, prompts, **kw)
+
     # -- the reference path ----------------------------------------------------
 
     def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,

@@ -1,0 +1,92 @@
+"""Device policy: where slotinfer computes and in which dtype.
+
+CPU: float32 always, weights dequantized at load.  MLX's CPU half-precision
+and quantized matmuls do not go through BLAS; f32 does, and with the
+optimized BLAS that ``slotinfer._blas`` loads it is the fast path.
+GPU: weights stay as stored (float16 / bfloat16 / float32, quantized kept
+quantized) since the GPU kernels are built for them and memory is the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from . import _blas
+
+_blas.ensure_blas()  # must run before mlx.core is first imported; a no-op after `import slotinfer`
+
+import mlx.core as mx  # noqa: E402
+
+from .errors import InvalidRequestError  # noqa: E402
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def default_device() -> str:
+    """``"gpu"`` when MLX's default device is a GPU (Metal or CUDA), else ``"cpu"``."""
+    return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+
+
+def _kind(device) -> str:
+    if device is None:
+        return default_device()
+    if isinstance(device, mx.Device):
+        return "gpu" if device.type == mx.DeviceType.gpu else "cpu"
+    if isinstance(device, mx.DeviceType):
+        return "gpu" if device == mx.DeviceType.gpu else "cpu"
+    if isinstance(device, str) and device.lower() in ("cpu", "gpu"):
+        return device.lower()
+    raise InvalidRequestError(f"device must be 'cpu' or 'gpu' (or an mx.Device), got {device!r}")
+
+
+def _dtype(value, what: str) -> mx.Dtype:
+    if isinstance(value, mx.Dtype) and value in _DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise InvalidRequestError(
+        f"{what} must be one of {', '.join(_DTYPES)} (a name or an mx dtype), got {value!r}")
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return next((k for k, v in _DTYPES.items() if v == dtype), str(dtype).rpartition(".")[2])
+
+
+def compute_dtype(stored_dtype, device=None, override=None) -> mx.Dtype:
+    """The dtype to compute in for weights stored as ``stored_dtype``.
+
+    ``override`` (``"float32"``/``"float16"``/``"bfloat16"`` or an mx dtype)
+    wins.  Otherwise CPU computes in float32; GPU keeps the stored float dtype
+    (anything else, e.g. float64, becomes float32).
+    """
+    if override is not None:
+        return _dtype(override, "dtype override")
+    if _kind(device) == "cpu":
+        return mx.float32
+    try:
+        return _dtype(stored_dtype, "stored dtype")
+    except InvalidRequestError:
+        return mx.float32
+
+
+def keep_quantized(device=None, override: bool | None = None) -> bool:
+    """Whether quantized weights stay quantized (GPU) or are dequantized at load (CPU)."""
+    if override is not None:
+        if not isinstance(override, bool):
+            raise InvalidRequestError(f"keep_quantized override must be True, False or None, got {override!r}")
+        return override
+    return _kind(device) == "gpu"
+
+
+def describe() -> dict:
+    """What this process runs on: for logs, bug reports and ``slotinfer --version``."""
+    device = default_device()
+    return {
+        "mlx": mx.__version__,
+        "device": device,
+        "blas": dataclasses.asdict(_blas.ensure_blas()),
+        "compute_dtype_for_bfloat16": dtype_name(compute_dtype(mx.bfloat16, device)),
+        "keep_quantized": keep_quantized(device),
+        "cpu_count": os.cpu_count(),
+    }

@@ -1,0 +1,224 @@
+"""BLAS loading (slotinfer._blas) and the device policy (slotinfer.device).
+
+The BLAS is chosen once per process, so every SLOTINFER_BLAS case runs in a
+fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import slotinfer  # first: loads the BLAS before mlx.core
+import mlx.core as mx
+from slotinfer import device
+from slotinfer.errors import InvalidRequestError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINUX = sys.platform == "linux"
+OPTIONS = ["openblas-scipy", "openblas-numpy", "openblas-system", "mkl"]
+
+
+THREAD_VARS = ("SLOTINFER_BLAS_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _py(code: str, blas: str | None = None, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("SLOTINFER_BLAS", "LD_PRELOAD") + THREAD_VARS}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    if blas is not None:
+        env["SLOTINFER_BLAS"] = blas
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _installed() -> dict[str, bool]:
+    """Which BLAS options are present, found independently of slotinfer._blas."""
+    shim = bool(shutil.which("cc") or glob.glob(os.path.join(ROOT, "slotinfer", "_blas_shim*.so")))
+    np_dir = os.path.dirname(os.path.dirname(importlib.util.find_spec("numpy").origin))
+    return {
+        "openblas-scipy": shim and importlib.util.find_spec("scipy_openblas32") is not None,
+        "openblas-numpy": shim and bool(glob.glob(os.path.join(np_dir, "numpy.libs", "libscipy_openblas64_*.so"))),
+        "openblas-system": ctypes.util.find_library("openblas") is not None,
+        "mkl": bool(glob.glob(os.path.join(sys.prefix, "lib", "libmkl_rt.so*"))),
+    }
+
+
+_IMPORT_RECORDING = """
+import json, warnings
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    {pre}
+    import slotinfer
+    slotinfer._blas.ensure_blas()  # idempotent: no second warning
+msgs = [str(m.message) for m in w if "BLAS" in str(m.message)]
+print(json.dumps({{"name": slotinfer.BLAS.name, "optimized": slotinfer.BLAS.optimized, "warnings": msgs}}))
+"""
+
+# f32 (sgemm), f64 (dgemm) and complex64 (cgemm) through MLX, against numpy in float64.
+_MATMUL_VS_NUMPY = """
+import json, numpy as np, slotinfer, mlx.core as mx
+rng = np.random.default_rng(0)
+err = {}
+# One row / one column take the shim's gemv route; transposed views exercise the flags.
+for m, n, k in [(1, 3072, 1024), (8, 1024, 3072), (32, 1000, 1000), (3, 5, 7), (6, 1, 300), (1, 1, 50)]:
+    x, w = rng.standard_normal((m, k)), rng.standard_normal((n, k))
+    xm, wm = mx.array(x.astype(np.float32)), mx.array(w.astype(np.float32))
+    for name, got in [("x @ w.T", xm @ wm.T), ("x.T.T @ w", mx.array(x.T.astype(np.float32)).T @ wm.T),
+                      ("w @ x.T", (wm @ xm.T).T)]:
+        err[f"f32 {name} {m}x{n}x{k}"] = float(np.abs(np.array(got) - x @ w.T).max() / np.abs(x @ w.T).max())
+with mx.stream(mx.cpu):
+    got = np.array(mx.array(x, dtype=mx.float64) @ mx.array(w, dtype=mx.float64).T)
+    err["f64"] = float(np.abs(got - x @ w.T).max())
+    cx, cw = (x + 2j * x).astype(np.complex64), (w - 1j * w).astype(np.complex64)
+    got = np.array(mx.array(cx) @ mx.array(cw).T)
+    err["c64"] = float(np.abs(got - cx.astype(complex) @ cw.T.astype(complex)).max())
+print(json.dumps({"name": slotinfer.BLAS.name, "optimized": slotinfer.BLAS.optimized, "err": err}))
+"""
+
+_TIME_F32 = """
+import json, time, slotinfer, mlx.core as mx
+x, w = mx.random.normal((256, 1024)), mx.random.normal((1024, 1024))
+mx.eval(x @ w.T)
+ts = []
+for _ in range(5):
+    t = time.perf_counter(); mx.eval(x @ w.T); ts.append(time.perf_counter() - t)
+print(json.dumps({"name": slotinfer.BLAS.name, "s": min(ts)}))
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="MLX uses Accelerate / GPU off Linux")
+def test_optimized_blas_loaded_when_installed():
+    if os.environ.get("SLOTINFER_BLAS"):
+        pytest.skip("SLOTINFER_BLAS is set for this run")
+    if not any(_installed().values()):
+        pytest.skip("no optimized BLAS installed (pip install scipy-openblas32, or apt-get install libopenblas0-pthread)")
+    assert slotinfer.BLAS.optimized, slotinfer.BLAS
+    assert slotinfer.BLAS.name in OPTIONS + ["preloaded"]
+    assert slotinfer.BLAS.path and os.path.exists(slotinfer.BLAS.path)
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+def test_blas_none_gives_reference_and_exactly_one_warning():
+    out = _py(_IMPORT_RECORDING.format(pre="pass"), blas="none")
+    assert out["name"] == "reference" and out["optimized"] is False
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "pip install scipy-openblas32" in out["warnings"][0]
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+def test_mlx_imported_first_warns_once():
+    out = _py(_IMPORT_RECORDING.format(pre="import mlx.core"))
+    assert out["optimized"] is False
+    assert len(out["warnings"]) == 1 and "import slotinfer first" in out["warnings"][0]
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+def test_unknown_blas_name_warns_and_keeps_reference():
+    out = _py(_IMPORT_RECORDING.format(pre="pass"), blas="no-such-blas")
+    assert out["name"] == "reference" and len(out["warnings"]) == 1
+    assert "no-such-blas" in out["warnings"][0]
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+@pytest.mark.parametrize("blas", ["none"] + OPTIONS)
+def test_matmul_matches_numpy(blas):
+    if blas != "none" and not _installed()[blas]:
+        pytest.skip(f"{blas} not installed here")
+    out = _py(_MATMUL_VS_NUMPY, blas=blas)
+    assert out["name"] == ("reference" if blas == "none" else blas)
+    assert out["optimized"] is (blas != "none")
+    for case, err in out["err"].items():
+        assert err < 1e-4, (case, err)  # f32 sums of 3072 terms; a wrong ABI gives O(1)
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+def test_optimized_blas_really_serves_mlx():
+    fast = _py(_TIME_F32)
+    if not fast["name"] in OPTIONS:
+        pytest.skip("no optimized BLAS loaded")
+    ref = _py(_TIME_F32, blas="none")
+    # ~30-60x when idle; 5x leaves room for a busy machine, and fails if MLX still uses the reference.
+    assert ref["s"] > 5 * fast["s"], (ref, fast)
+
+
+@pytest.mark.skipif(not LINUX, reason="Linux only")
+def test_thread_count():
+    code = "import json, slotinfer; print(json.dumps([slotinfer.BLAS.name, slotinfer.BLAS.threads]))"
+    name, default = _py(code)
+    if name not in OPTIONS:
+        pytest.skip("no optimized BLAS loaded")
+    assert default == slotinfer._blas.usable_cores()
+    assert _py(code, SLOTINFER_BLAS_THREADS="1")[1] == 1
+    assert _py(code, OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")[1] == 1
+
+
+def test_ensure_blas_is_idempotent():
+    assert slotinfer._blas.ensure_blas() is slotinfer.BLAS
+
+
+# -- device policy ------------------------------------------------------------
+
+def test_default_device_matches_mlx():
+    assert device.default_device() == ("gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu")
+
+
+@pytest.mark.parametrize("stored", [mx.float32, mx.float16, mx.bfloat16, "bfloat16"])
+def test_cpu_computes_in_float32(stored):
+    assert device.compute_dtype(stored, "cpu") == mx.float32
+    assert device.compute_dtype(stored, mx.Device(mx.cpu)) == mx.float32
+
+
+def test_gpu_keeps_stored_dtype():
+    for d in (mx.float32, mx.float16, mx.bfloat16):
+        assert device.compute_dtype(d, "gpu") == d
+    assert device.compute_dtype("float16", "gpu") == mx.float16
+    assert device.compute_dtype(mx.float64, "gpu") == mx.float32
+
+
+def test_override_wins():
+    assert device.compute_dtype(mx.float32, "cpu", override="bfloat16") == mx.bfloat16
+    assert device.compute_dtype(mx.bfloat16, "gpu", override=mx.float32) == mx.float32
+    assert device.compute_dtype(mx.float32, "cpu", override="Float16") == mx.float16
+
+
+@pytest.mark.parametrize("bad", ["fp8", "int8", "", mx.int32, 16])
+def test_bad_dtype_override_raises(bad):
+    with pytest.raises(InvalidRequestError, match="float32, float16, bfloat16"):
+        device.compute_dtype(mx.float32, "cpu", override=bad)
+    with pytest.raises(ValueError):  # InvalidRequestError is a ValueError too
+        device.compute_dtype(mx.float32, "gpu", override=bad)
+
+
+def test_keep_quantized_policy():
+    assert device.keep_quantized("cpu") is False
+    assert device.keep_quantized("gpu") is True
+    assert device.keep_quantized("cpu", override=True) is True
+    assert device.keep_quantized("gpu", override=False) is False
+    with pytest.raises(InvalidRequestError):
+        device.keep_quantized("cpu", override="yes")
+
+
+def test_bad_device_raises():
+    with pytest.raises(InvalidRequestError, match="'cpu' or 'gpu'"):
+        device.compute_dtype(mx.float16, "tpu")
+
+
+def test_describe():
+    d = device.describe()
+    assert d["mlx"] == mx.__version__
+    assert d["device"] == device.default_device()
+    assert d["blas"]["name"] == slotinfer.BLAS.name and d["blas"]["optimized"] == slotinfer.BLAS.optimized
+    assert d["compute_dtype_for_bfloat16"] == ("float32" if d["device"] == "cpu" else "bfloat16")
+    assert d["keep_quantized"] is (d["device"] == "gpu")
+    assert d["cpu_count"] == os.cpu_count()
+    json.dumps(d)  # loggable as is
