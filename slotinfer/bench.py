@@ -15,6 +15,8 @@ from pathlib import Path
 
 import slotinfer
 
+from .engine import Engine
+
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, intermediate_size=3072, vocab_size=151936)
 CACHE = Path(os.environ.get("SLOTINFER_CACHE", Path.home() / ".cache" / "slotinfer"))
@@ -66,18 +68,15 @@ def step_time_vs_max_len(model, slots=8, live=128, lens=(512, 2048, 8192)) -> di
     out = {}
     for max_len in lens:
         prompts = prompts_of(model, slots, live)
-        with slotinfer.Inferencer(model, slots=slots, max_len=max_len, prefill_tokens=live * slots,
-                                  start=False) as inf:
-            eng = inf.engine
-            items = [eng.make_item(p, max_tokens=40, ignore_eos=True) for p in prompts]
-            for it in items:
-                eng.add(it)
-            times = []
-            while eng.busy:
-                t = time.perf_counter()
-                eng.step()
-                times.append(time.perf_counter() - t)
-            out[max_len] = statistics.median(times[5:-2]) * 1e3
+        eng = Engine(model, slots=slots, max_len=max_len, prefill_tokens=live * slots)
+        for p in prompts:
+            eng.add(eng.make_item(p, max_tokens=40, ignore_eos=True))
+        times = []
+        while eng.busy:
+            t = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t)
+        out[max_len] = statistics.median(times[5:-2]) * 1e3
     return out
 
 
