@@ -44,6 +44,10 @@ class Decoder:
             rows.seen = seen
         return nxt, extra
 
+    def release(self):
+        """Drop the compiled steps (they are rebuilt on demand)."""
+        self._compiled.clear()
+
     def _make(self, span, greedy, use_sort, use_penalty, top_n):
         net, table = self.net, self.table
 

@@ -11,8 +11,10 @@ thread (or an asyncio loop) submit requests and get :class:`Handle` objects back
 from __future__ import annotations
 
 import asyncio
+import atexit
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -21,6 +23,16 @@ from .engine import Engine
 from .errors import EngineClosed, EngineError, QueueFull, SlotinferError
 from .handle import Handle
 from .types import Completion
+
+
+_live: "weakref.WeakSet[Inferencer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live():
+    """A program that exits without closing its Inferencer still ends every request (cancelled)."""
+    for inf in list(_live):
+        inf.close(drain=False, timeout=10)
 
 
 @dataclass
@@ -58,6 +70,7 @@ class Inferencer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="slotinfer-worker", daemon=True)
                 self._thread.start()
+                _live.add(self)
         return self
 
     def __enter__(self):
@@ -150,9 +163,16 @@ class Inferencer:
     # -- the worker -------------------------------------------------------------
 
     def _run(self):
-        # MLX streams belong to the thread that made them: the worker gets its own.
-        with mx.stream(mx.new_stream(mx.default_device())):
-            self._loop()
+        # MLX streams belong to the thread that made them: the worker gets its own, and
+        # synchronizes it before leaving so no device work outlives the thread.
+        stream = mx.new_stream(mx.default_device())
+        with mx.stream(stream):
+            try:
+                self._loop()
+            finally:
+                mx.synchronize(stream)
+                # Compiled steps traced on this thread must not outlive it (MLX aborts at exit).
+                self.engine.decoder.release()
 
     def _loop(self):
         engine = self.engine
