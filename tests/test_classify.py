@@ -1,0 +1,274 @@
+"""classify: batched, prefix-sharing, label-scoring prefill against the one-prompt reference forward."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import slotinfer
+from slotinfer.cache import SequenceCache
+from slotinfer.classify import BatchContext, classify, encode_labels, plan_batches
+from slotinfer.classify_cli import done_ids, main, parse_template
+from slotinfer.errors import InvalidRequestError, PromptTooLongError
+from slotinfer.testing import FAMILIES, make_tiny_model
+
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("classify")
+    paths = {fam: make_tiny_model(fam, root / fam) for fam in FAMILIES}
+    return {fam: (p, slotinfer.load(p)) for fam, p in paths.items()}
+
+
+_ref_cache: dict = {}
+
+
+def ref_logits(model, ids) -> np.ndarray:
+    """Full-vocab log-softmax at every position of one unpadded forward of ``ids`` alone: [len, vocab]."""
+    key = (id(model), tuple(ids))
+    if key not in _ref_cache:
+        h = model.net(mx.array([list(ids)]), SequenceCache(model.config.num_layers))
+        _ref_cache[key] = np.array(model.net.head(h[0]).astype(mx.float32))
+    return _ref_cache[key]
+
+
+def ref_label_scores(model, ids, label_ids) -> np.ndarray:
+    """Exact sequence log-probs of each label after ``ids``, one label at a time, normalized over the set."""
+    seq = []
+    for lab in label_ids:
+        z = ref_logits(model, list(ids) + list(lab))
+        lp = z - np.logaddexp.reduce(z.astype(np.float64), axis=-1, keepdims=True)
+        seq.append(sum(lp[len(ids) - 1 + j, t] for j, t in enumerate(lab)))
+    seq = np.array(seq)
+    return seq - np.logaddexp.reduce(seq)
+
+
+ids_st = st.lists(st.integers(3, 250), min_size=1, max_size=40)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(ids_st, min_size=1, max_size=7), budget=st.integers(1, 160),
+       prefix=st.one_of(st.none(), st.lists(st.integers(3, 250), min_size=1, max_size=20)))
+def test_logits_equal_the_single_unpadded_forward(tiny, family, prompts, budget, prefix):
+    model = tiny[family][1]
+    results = classify(model, prompts, return_logits=True, token_budget=budget, prefix=prefix)
+    assert len(results) == len(prompts)
+    for ids, r in zip(prompts, results):
+        full = (prefix or []) + ids
+        want = ref_logits(model, full)[-1]
+        assert r.error is None and r.logits.dtype == np.float32 and r.logits.shape == want.shape
+        np.testing.assert_allclose(r.logits, want, atol=ATOL, rtol=1e-4)
+        assert r.token == int(np.argmax(r.logits))
+        assert r.prompt_tokens == len(full)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_label_scores_are_exact_sequence_logprobs(tiny, family):
+    model = tiny[family][1]
+    labels = ["the", "and", "the cat", "hello world again"]  # single- and multi-token, a shared first token
+    prefix = "Decide about the following sentence, then answer: "
+    sentences = ["a short one", "the quick brown fox jumps over the lazy dog and keeps running far away", "x"]
+    lab_ids = [model.tokenizer.encode(" " + s, add_special_tokens=False) for s in labels]
+    assert any(len(t) > 1 for t in lab_ids) and any(len(t) == 1 for t in lab_ids)
+    pre_ids = model.tokenizer.encode(prefix)
+    shared = classify(model, sentences, labels=labels, label_prefix=" ", prefix=prefix, token_budget=24)
+    alone = classify(model, sentences, labels=labels, label_prefix=" ", prefix=prefix, share_prefix=False,
+                     token_budget=64)
+    for s, a, b in zip(sentences, shared, alone):
+        ids = pre_ids + model.tokenizer.encode(s, add_special_tokens=False)
+        want = ref_label_scores(model, ids, lab_ids)
+        for r in (a, b):
+            got = np.array([r.scores[name] for name in labels])
+            np.testing.assert_allclose(got, want, atol=ATOL)
+            assert r.label == labels[int(np.argmax(want))] and r.token == lab_ids[labels.index(r.label)][0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_single_token_labels_without_prefix(tiny, family):
+    model = tiny[family][1]
+    vocab = model.tokenizer.backend.get_vocab(with_added_tokens=False)
+    labels = []
+    for piece, tid in sorted(vocab.items(), key=lambda kv: kv[1])[300:]:
+        text = model.tokenizer.decode([tid])
+        if text.strip() and text not in labels and model.tokenizer.encode(text, add_special_tokens=False) == [tid]:
+            labels.append(text)
+        if len(labels) == 3:
+            break
+    lab_ids = [model.tokenizer.encode(s, add_special_tokens=False) for s in labels]
+    prompts = ["one", "two words here", "and a much longer prompt, longer than the window of sixteen tokens"]
+    for p, r in zip(prompts, classify(model, prompts, labels=labels, token_budget=8)):
+        np.testing.assert_allclose([r.scores[s] for s in labels],
+                                   ref_label_scores(model, model.encode_prompt(p), lab_ids), atol=ATOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_sharing_equals_recomputing(tiny, family):
+    model = tiny[family][1]
+    rng = np.random.default_rng(1)
+    prefix = "Here is a fairly long instruction that runs past the sliding window of the model: "
+    assert len(model.tokenizer.encode(prefix)) > 16
+    prompts = [rng.integers(3, 250, n).tolist() for n in (1, 5, 17, 30)] + ["some text", "more text here"]
+    a = classify(model, prompts, prefix=prefix, return_logits=True, token_budget=40)
+    b = classify(model, prompts, prefix=prefix, return_logits=True, share_prefix=False, token_budget=40)
+    for ra, rb in zip(a, b):
+        np.testing.assert_allclose(ra.logits, rb.logits, atol=ATOL, rtol=1e-4)
+        assert ra.prompt_tokens == rb.prompt_tokens
+
+
+def test_prefix_ids_are_prefix_then_sentence_without_special_tokens(tiny):
+    model = tiny["llama"][1]  # adds a BOS
+    tok = model.tokenizer
+    r = classify(model, ["world"], prefix="Hello", return_logits=True)[0]
+    ids = tok.encode("Hello") + tok.encode("world", add_special_tokens=False)
+    assert ids.count(tok.bos_id) == 1
+    np.testing.assert_allclose(r.logits, ref_logits(model, ids)[-1], atol=ATOL, rtol=1e-4)
+    plain = classify(model, ["Hello world"], return_logits=True)[0]  # no prefix: encode_prompt's ids
+    np.testing.assert_allclose(plain.logits, ref_logits(model, model.encode_prompt("Hello world"))[-1], atol=ATOL)
+
+
+def test_sampled_tokens_match_generate_with_seed_plus_index(tiny):
+    model = tiny["qwen3"][1]
+    prompts = ["alpha beta", "gamma", "a somewhat longer prompt of several tokens", "delta epsilon zeta"]
+    for kw in (dict(temperature=1.3), dict(temperature=0.8, top_k=5), dict(temperature=1.0, top_p=0.7, min_p=0.05)):
+        rs = classify(model, prompts, seed=11, token_budget=12, **kw)
+        for i, (p, r) in enumerate(zip(prompts, rs)):
+            assert r.token == model.generate(p, max_tokens=1, seed=11 + i, **kw).tokens[0]
+    again = classify(model, prompts, seed=11, temperature=1.3, token_budget=1000)
+    assert [r.token for r in again] == [model.generate(p, max_tokens=1, seed=11 + i, temperature=1.3).tokens[0]
+                                        for i, p in enumerate(prompts)]
+
+
+def test_label_sampling_stays_in_the_set_and_is_reproducible(tiny):
+    model = tiny["gemma2"][1]
+    labels = ["red", "green", "blue sky"]
+    prompts = [f"item number {i}" for i in range(12)]
+    a = classify(model, prompts, labels=labels, temperature=5.0, seed=3, token_budget=7)
+    b = classify(model, prompts, labels=labels, temperature=5.0, seed=3, token_budget=500)
+    assert [r.label for r in a] == [r.label for r in b]
+    assert {r.label for r in a} <= set(labels) and len({r.label for r in a}) > 1
+
+
+def test_bad_prompts_fail_alone(tiny):
+    model = tiny["llama"][1]
+    long = [5] * model.context_length
+    rs = classify(model, ["fine", "", long, [10 ** 7], 42, "also fine"], labels=["a", "bc"], prefix="P:")
+    assert rs[0].error is None and rs[5].error is None and rs[0].label in ("a", "bc")
+    assert isinstance(rs[1].error, InvalidRequestError) and "empty" in str(rs[1].error)
+    assert isinstance(rs[2].error, PromptTooLongError)
+    assert isinstance(rs[3].error, InvalidRequestError) and "vocabulary" in str(rs[3].error)
+    assert isinstance(rs[4].error, InvalidRequestError)
+    assert classify(model, []) == []
+
+
+def test_bad_requests_raise(tiny):
+    model = tiny["qwen2"][1]
+    with pytest.raises(InvalidRequestError, match="'yes'"):
+        classify(model, ["x"], labels=["yes", "no", "yes"])
+    with pytest.raises(InvalidRequestError, match="''"):
+        classify(model, ["x"], labels=["yes", ""])
+    with pytest.raises(InvalidRequestError):
+        classify(model, ["x"], labels="yes")
+    with pytest.raises(InvalidRequestError, match="token_budget"):
+        classify(model, ["x"], token_budget=0)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        classify(model, ["x"], temperature=-1)
+    with pytest.raises(InvalidRequestError, match="prefix"):
+        classify(model, ["x"], prefix="")
+    with pytest.raises(InvalidRequestError, match="single prompt"):
+        classify(model, "x")
+    assert encode_labels(model, ["a", "b c"]).multi == [1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), max_size=40), budget=st.integers(1, 300))
+def test_plan_batches_covers_each_prompt_once_within_budget(lengths, budget):
+    batches = plan_batches(lengths, budget)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        width = max(lengths[i] for i in b)
+        assert len(b) == 1 or width * len(b) <= budget
+        assert lengths[b[0]] == width
+
+
+def test_batch_context_masks_padding_of_earlier_segments():
+    ctx = BatchContext(1, 2, offset=mx.array([3, 5]), past_pos=mx.array([[0, 1, 2, 1 << 30, 1 << 30],
+                                                                         [0, 1, 2, 3, 4]]))
+    m = np.array(ctx.mask(0, 2, None))[:, 0]
+    assert m.shape == (2, 2, 7)
+    assert m[0, 0].tolist() == [True, True, True, False, False, True, False]
+    assert m[1, 1].tolist() == [True] * 7
+    assert np.array(ctx.mask(0, 2, 2))[1, 0, 0].tolist() == [False] * 4 + [True, True, False]
+
+
+# -- the command line ---------------------------------------------------------------
+
+def _run_cli(tiny, tmp_path, name, content, *extra, labels="yes,no,maybe so"):
+    src = tmp_path / name
+    src.write_bytes(content if isinstance(content, bytes) else content.encode())
+    out = tmp_path / "out.jsonl"
+    rc = main(["--model", str(tiny["qwen3"][0]), "--labels", labels, "--label-prefix", " ", "-q",
+               "--output", str(out), *extra, str(src)])
+    lines = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    return rc, {json.dumps(x["id"]): x for x in lines}, out
+
+
+def test_cli_text_lines_with_bad_lines(tiny, tmp_path):
+    rc, recs, _ = _run_cli(tiny, tmp_path, "in.txt", b"good one\n\nanother\n\xff\xfe\nlast\n")
+    assert rc == 0 and len(recs) == 5
+    assert recs["1"]["label"] in ("yes", "no", "maybe so") and set(recs["1"]["scores"]) == {"yes", "no", "maybe so"}
+    assert "line 2" in recs["2"]["error"] and "empty" in recs["2"]["error"]
+    assert "line 4" in recs["4"]["error"] and "UTF-8" in recs["4"]["error"]
+    assert "label" in recs["5"]
+
+
+def test_cli_jsonl_and_resume(tiny, tmp_path):
+    data = '{"id": "a", "text": "first"}\n{"text": "no id"}\nnot json\n{"other": 1}\n{"id": "b", "text": "b"}\n'
+    rc, recs, out = _run_cli(tiny, tmp_path, "in.jsonl", data)
+    assert rc == 0 and set(recs) == {'"a"', "2", "3", "4", '"b"'}
+    assert "JSON" in recs["3"]["error"] and "'text'" in recs["4"]["error"]
+    before = out.read_text()
+    rc, recs, _ = _run_cli(tiny, tmp_path, "in.jsonl", data + '{"id": "c", "text": "new"}\n')
+    after = out.read_text()
+    assert after.startswith(before) and len(after.splitlines()) == len(before.splitlines()) + 1
+    assert recs['"c"']["label"] in ("yes", "no", "maybe so")
+
+
+def test_cli_resume_cuts_an_unfinished_last_line(tmp_path):
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": 1, "label": "x"}\n{"id": 2, "lab')
+    assert done_ids(str(out)) == {"1"}
+    assert out.read_text() == '{"id": 1, "label": "x"}\n'
+
+
+def test_cli_csv_with_template_matches_the_library(tiny, tmp_path):
+    (tmp_path / "t.txt").write_text("Review: {{ text }}\nVerdict:\n")
+    assert parse_template(str(tmp_path / "t.txt")) == ("Review: ", "\nVerdict:")
+    data = 'id,body\nr1,"great, really"\nr2,\nr3,"two\nlines"\n'
+    rc, recs, _ = _run_cli(tiny, tmp_path, "in.csv", data, "--template", str(tmp_path / "t.txt"),
+                           "--column", "body", labels="good,bad")
+    assert rc == 0 and "empty" in recs['"r2"']["error"] and "line 3" in recs['"r2"']["error"]
+    model = tiny["qwen3"][1]
+    want = classify(model, ["great, really\nVerdict:"], prefix="Review: ", labels=["good", "bad"],
+                    label_prefix=" ")[0]
+    assert recs['"r1"']["label"] == want.label
+    assert recs['"r1"']["scores"]["good"] == pytest.approx(want.scores["good"], abs=1e-4)
+    assert "label" in recs['"r3"']
+
+
+def test_cli_usage_errors(tiny, tmp_path, capsys):
+    rc, _, _ = _run_cli(tiny, tmp_path, "in.txt", "x\n", labels="yes,no,yes")
+    assert rc == 2 and "duplicate label 'yes'" in capsys.readouterr().err
+    rc, _, _ = _run_cli(tiny, tmp_path, "in.txt", "x\n", labels="yes,,no")
+    assert rc == 2 and "label 2 is empty" in capsys.readouterr().err
+    rc = main(["--model", str(tiny["qwen3"][0]), "--labels", "a,b", str(tmp_path / "missing.txt")])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    rc, _, _ = _run_cli(tiny, tmp_path, "in.csv", "id,body\n1,x\n", labels="a,b")
+    assert rc == 2 and "no column 'text'" in capsys.readouterr().err
