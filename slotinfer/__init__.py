@@ -19,3 +19,8 @@ from .handle import Handle, StreamEvent  # noqa: E402,F401
 from .inferencer import Inferencer, Request  # noqa: E402,F401
 
 __version__ = "0.1.0"
+
+__all__ = ["load", "Model", "Inferencer", "Request", "Handle", "StreamEvent", "Completion", "BatchResult",
+           "ClassifyResult", "BLAS", "SlotinferError", "InvalidRequestError", "PromptTooLongError", "QueueFull",
+           "EngineClosed", "ModelLoadError", "ModelNotFoundError", "UnsupportedModelError", "ConfigError",
+           "WeightError", "TokenizerError", "EngineError", "Cancelled"]

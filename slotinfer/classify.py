@@ -223,41 +223,14 @@ def _is_ids(x) -> bool:
 
 
 def _encode_prefix(model, prefix) -> list[int]:
-    if isinstance(prefix, str):
-        if not prefix:
-            raise InvalidRequestError("prefix is empty; pass prefix=None for no prefix")
-        ids = model.tokenizer.encode(prefix, add_special_tokens=True)
-    elif _is_ids(prefix):
-        ids = list(prefix)
-        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prefix token ids {bad[:5]} are outside the vocabulary [0, {model.config.vocab_size})")
-    else:
-        raise InvalidRequestError(f"prefix must be a str or a list of int token ids, got {type(prefix).__name__}")
-    if not ids:
-        raise InvalidRequestError("prefix tokenizes to no tokens; pass prefix=None for no prefix")
-    if len(ids) >= model.context_length:
-        raise PromptTooLongError(f"the prefix has {len(ids)} tokens; the model's context is {model.context_length}")
-    return ids
+    if isinstance(prefix, str) and not prefix:
+        raise InvalidRequestError("prefix is empty; pass prefix=None for no prefix")
+    return model.encode_prompt(prefix, what="prefix")
 
 
 def _encode_sentence(model, prompt, prefixed: bool) -> list[int]:
-    if not prefixed:
-        return model.encode_prompt(prompt)
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty; give at least one character or token id")
-        ids = model.tokenizer.encode(prompt, add_special_tokens=False)
-    elif _is_ids(prompt):
-        ids = list(prompt)
-        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {model.config.vocab_size})")
-    else:
-        raise InvalidRequestError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
-    if not ids:
-        raise InvalidRequestError("the prompt is empty (it tokenizes to no tokens)")
-    return ids
+    # Behind a prefix the sentence carries no BOS: the prefix has it, once.
+    return model.encode_prompt(prompt, add_special_tokens=not prefixed)
 
 
 def _row(values, dtype=mx.float32):

@@ -41,24 +41,29 @@ class Model:
 
     # -- prompts ---------------------------------------------------------------
 
-    def encode_prompt(self, prompt) -> list[int]:
-        """A string is tokenized by the model's own rules; a list of ids is used exactly as given."""
+    def encode_prompt(self, prompt, *, add_special_tokens: bool = True, what: str = "prompt") -> list[int]:
+        """A string is tokenized by the model's own rules; a list of ids is used exactly as given.
+
+        ``add_special_tokens=False`` leaves out BOS (for text that follows a prefix);
+        ``what`` names the input in error messages.
+        """
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("the prompt is empty; give at least one character or token id")
-            ids = self.tokenizer.encode(prompt)
+                raise InvalidRequestError(f"the {what} is empty; give at least one character or token id")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
-                raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
+                raise InvalidRequestError(
+                    f"{what} token ids {bad[:5]} are outside the vocabulary [0, {self.config.vocab_size})")
         else:
-            raise InvalidRequestError(f"a prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+            raise InvalidRequestError(f"a {what} must be a str or a list of int token ids, got {type(prompt).__name__}")
         if not ids:
-            raise InvalidRequestError("the prompt is empty (it tokenizes to no tokens)")
+            raise InvalidRequestError(f"the {what} is empty (it tokenizes to no tokens)")
         if len(ids) >= self.context_length:
             raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens; the model's context is {self.context_length}: shorten the prompt"
+                f"the {what} has {len(ids)} tokens; the model's context is {self.context_length}: shorten the {what}"
             )
         return ids
 

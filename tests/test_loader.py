@@ -11,7 +11,7 @@ import slotinfer
 from slotinfer.cache import SequenceCache
 from slotinfer.errors import (ConfigError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
                               TokenizerError, UnsupportedModelError, WeightError)
-from slotinfer.testing import FAMILIES, make_tiny_model
+from slotinfer.testing import FAMILIES
 
 IDS = [5, 17, 42, 99, 7, 130, 64, 8, 21, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # > Gemma's window
 
