@@ -72,11 +72,18 @@ from .errors import InvalidRequestError, PromptTooLongError
 from .sampling import SamplingParams, sample
 from .types import ClassifyResult
 
-__all__ = ["classify", "DEFAULT_TOKEN_BUDGET", "encode_labels", "LabelSet"]
+__all__ = ["classify", "default_token_budget", "encode_labels", "LabelSet"]
 
-DEFAULT_TOKEN_BUDGET = 1024  # padded tokens per forward; see docs/classify.md for the measurement
+# Padded tokens per forward.  On CPU, big batches are no faster (docs/classify.md: 256-512
+# beat 1024-2048 tokens); a GPU wants many more rows to fill it.
+CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 4096
 _FAR = 1 << 30  # key position of a slot that must stay invisible (padding of an earlier segment)
 _HEAD_CHUNK = 64  # rows per full-vocab head call when scoring multi-token labels
+
+
+def default_token_budget() -> int:
+    """Padded tokens per forward when none is given: small on CPU, large on a GPU."""
+    return CPU_TOKEN_BUDGET if mx.default_device() == mx.cpu else GPU_TOKEN_BUDGET
 
 
 # -- labels -------------------------------------------------------------------------
@@ -359,7 +366,7 @@ class _Classifier:
 
 
 def classify(model, prompts, *, return_logits: bool = False, labels=None, label_prefix: str = "",
-             prefix=None, share_prefix: bool = True, token_budget: int = DEFAULT_TOKEN_BUDGET,
+             prefix=None, share_prefix: bool = True, token_budget: int | None = None,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              seed: int | None = None,
              on_result: Callable[[int, ClassifyResult], None] | None = None) -> list[ClassifyResult]:
@@ -374,11 +381,13 @@ def classify(model, prompts, *, return_logits: bool = False, labels=None, label_
     of every prompt and encoded once (``share_prefix=False`` recomputes it per row, for
     checking).  ``labels``: restrict the answer to these continuations and score them
     exactly (``label_prefix`` is prepended to each label's text before tokenizing).
-    ``token_budget``: padded tokens per forward.  ``on_result(index, result)`` is called
+    ``token_budget``: padded tokens per forward (None: :func:`default_token_budget`).  ``on_result(index, result)`` is called
     as each prompt finishes (batches finish longest prompts first), e.g. to stream
     results to a file.  See the module docstring for the exact semantics.
     """
     params = SamplingParams(temperature, top_k, top_p, min_p, 1.0, seed)
+    if token_budget is None:
+        token_budget = default_token_budget()
     if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
         raise InvalidRequestError(f"token_budget must be an int >= 1 (padded tokens per forward), got {token_budget!r}")
     if isinstance(prompts, str) or _is_ids(prompts) and prompts:

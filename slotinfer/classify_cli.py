@@ -285,7 +285,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from . import load
-    from .classify import DEFAULT_TOKEN_BUDGET, classify, encode_labels
+    from .classify import classify, encode_labels
     from .errors import InvalidRequestError, SlotinferError
 
     labels = [s.strip() for s in args.labels.split(",")]
@@ -294,6 +294,8 @@ def _run(args) -> int:
         raise UsageError(f"--labels: label {empty[0]} is empty in {args.labels!r}")
     if args.chunk < 1:
         raise UsageError("--chunk must be >= 1")
+    if args.token_budget is not None and args.token_budget < 1:
+        raise UsageError("--token-budget must be >= 1")
     prefix, suffix = (parse_template(args.template) if args.template else (args.prefix or None, ""))
     records = list(read_records(args.input, args.format, args.column))
 
@@ -329,7 +331,7 @@ def _run(args) -> int:
         todo.append(r)
 
     progress = Progress(len(todo), not args.quiet)
-    budget = args.token_budget or DEFAULT_TOKEN_BUDGET
+    budget = args.token_budget
 
     def write(obj):
         out.write(json.dumps(obj, ensure_ascii=False) + "\n")
