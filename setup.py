@@ -15,6 +15,7 @@ from setuptools import Extension, setup
 ext_modules = []
 if sys.platform == "linux":
     ext_modules.append(Extension("slotinfer._blas_shim", ["slotinfer/_blas_shim.c"],
-                                 libraries=["dl"], extra_compile_args=["-O2"], optional=True))
+                                 depends=["slotinfer/_blas_kernels.h"], libraries=["dl", "pthread"],
+                                 extra_compile_args=["-O3", "-pthread"], optional=True))
 
 setup(ext_modules=ext_modules)

@@ -3,7 +3,9 @@
 Workload: a random-weight model of Qwen3-0.6B's shape (stored bf16, as published),
 prompts of 32 tokens, exactly 64 generated tokens each (EOS ignored), at 1, 8 and
 32 sequences.  mlx-lm gets its best CPU setup: the same optimized BLAS (slotinfer,
-imported first, loads it for the whole process) and weights cast to float32.
+imported first, loads it for the whole process) and weights cast to float32.  During
+mlx-lm's runs slotinfer's own sgemm loops are switched off, so mlx-lm runs on the plain
+library, as it would with OpenBLAS preloaded (``--mlx-lm-own-loops`` lets it use them too).
 
     python benchmarks/bench_engine.py                 # needs `pip install mlx-lm` for the comparison
     python benchmarks/bench_engine.py --slots 32 --repeats 3
@@ -15,6 +17,7 @@ import time
 
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
+from slotinfer._blas import set_own_products
 from slotinfer.bench import bench_model_path, engine_tokens_per_s, prompts_of
 
 
@@ -40,6 +43,8 @@ def main():
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-mlx-lm", action="store_true")
+    ap.add_argument("--mlx-lm-own-loops", action="store_true",
+                    help="let mlx-lm's matmuls use slotinfer's own loops too (default: the plain library)")
     args = ap.parse_args()
 
     path = bench_model_path()
@@ -62,7 +67,10 @@ def main():
         for _ in range(args.repeats):  # interleaved, so drifts in machine load hit both alike
             ours.append(engine_tokens_per_s(model, slots, args.prompt_tokens, args.gen_tokens)["tokens_per_s"])
             if lm is not None:
+                # mlx-lm's setup is MLX + the optimized library: none of slotinfer's own loops
+                was = set_own_products(args.mlx_lm_own_loops)
                 theirs.append(mlx_lm_tokens_per_s(lm, prompts, args.gen_tokens))
+                set_own_products(was)
         a = statistics.median(ours)
         b = statistics.median(theirs) if theirs else float("nan")
         print(f"{slots:>4} {a:>16.1f} {b:>17.1f} {a / b:>6.2f}", flush=True)

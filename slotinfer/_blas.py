@@ -52,6 +52,7 @@ class BlasInfo:
 
 
 _info: BlasInfo | None = None
+_shim = None  # the shim's handle, when the BLAS is reached through it
 
 
 def ensure_blas() -> BlasInfo:
@@ -192,19 +193,41 @@ def _load_via_shim(name, lib, prefix, suffix, ilp64):
     # Resolve targets while the shim is still local: MLX must never see null pointers.
     if h.slotinfer_shim_init(lib.encode(), prefix.encode(), suffix.encode(), ilp64) != 0:
         return None, f"{lib} lacks {prefix}cblas_sgemm{suffix}"
+    h.slotinfer_shim_small(0)  # first the library alone, then with the shim's own small products
     if not _sgemm_works(h.cblas_sgemm):
         return None, f"{lib} via shim gives wrong results"
+    h.slotinfer_shim_small(1)
+    if not _sgemm_works(h.cblas_sgemm):
+        return None, f"the shim's small products give wrong results with {lib}"
+    if os.environ.get("SLOTINFER_OWN_GEMM", "1") == "0":  # every product to the library
+        h.slotinfer_shim_small(0)
+        h.slotinfer_shim_own_rows(0)
+    global _shim
+    _shim = h
     ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
     return BlasInfo(name, lib, True, note=f"via shim {shim}"), None
 
 
+def set_own_products(on: bool) -> bool:
+    """Turn the shim's own loops (small products, 2..64-row products against a stored
+    weight) on or off, leaving every product to the library; returns the previous
+    setting.  For measuring what they add (benchmarks/bench_engine.py gives mlx-lm
+    the plain library).  A no-op returning False when the BLAS is not reached via the shim."""
+    if _shim is None:
+        return False
+    was = _shim.slotinfer_shim_small(int(on))
+    _shim.slotinfer_shim_own_rows(64 if on else 0)
+    return bool(was)
+
+
 def _sgemm_works(sgemm) -> bool:
     """Small products through every path of the shim (gemm, one-row and one-column
-    gemv, column-major), output prefilled with NaN since beta=0 must overwrite it.
+    gemv, column-major, its own vector loops), output prefilled with NaN since beta=0 must overwrite it.
     Catches a wrong ABI (e.g. an ILP64 library) or a bad forward before MLX sees it."""
     sgemm.restype = None
     for order, ta, tb, m, n, k in [(101, 111, 112, 2, 3, 4), (101, 111, 112, 1, 3, 4), (101, 112, 111, 1, 3, 4),
-                                   (101, 111, 111, 3, 1, 4), (101, 112, 112, 3, 1, 4), (102, 111, 112, 1, 3, 4)]:
+                                   (101, 111, 111, 3, 1, 4), (101, 112, 112, 3, 1, 4), (102, 111, 112, 1, 3, 4),
+                                   (101, 111, 112, 3, 5, 37), (101, 111, 111, 2, 270, 19)]:
         x = [[i * k + j + 1.0 for j in range(k)] for i in range(m)]       # op(A), m x k
         y = [[(i + 2 * j) % 5 - 2.0 for j in range(n)] for i in range(k)]  # op(B), k x n
         want = [[sum(x[i][p] * y[p][j] for p in range(k)) for j in range(n)] for i in range(m)]
@@ -231,15 +254,20 @@ def _store(mat, transposed, order):
 
 def _shim_path() -> str | None:
     src = os.path.join(_HERE, "_blas_shim.c")
+    sources = [src, os.path.join(_HERE, "_blas_kernels.h")]
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    have_src = all(os.path.exists(f) for f in sources)
     for built in glob.glob(os.path.join(_HERE, "_blas_shim*.so")):  # by setup.py at install time
         # ...unless the source was edited since (an in-place build in a checkout)
-        if not (cc and os.path.exists(src)) or os.path.getmtime(built) + 2 >= os.path.getmtime(src):
+        if not (cc and have_src) or os.path.getmtime(built) + 2 >= max(map(os.path.getmtime, sources)):
             return built
-    if not (cc and os.path.exists(src)):
+    if not (cc and have_src):
         return None
-    with open(src, "rb") as fh:
-        tag = hashlib.sha256(fh.read() + platform.machine().encode()).hexdigest()[:16]
+    digest = hashlib.sha256(platform.machine().encode())
+    for f in sources:
+        with open(f, "rb") as fh:
+            digest.update(fh.read())
+    tag = digest.hexdigest()[:16]
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "slotinfer")
     out = os.path.join(cache, f"blas_shim-{tag}.so")
     if not os.path.exists(out):
@@ -247,7 +275,7 @@ def _shim_path() -> str | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            subprocess.run([*shlex.split(cc), "-O2", "-shared", "-fPIC", src, "-o", tmp, "-ldl"],
+            subprocess.run([*shlex.split(cc), "-O3", "-shared", "-fPIC", "-pthread", src, "-o", tmp, "-ldl"],
                            check=True, capture_output=True, timeout=120)
             os.replace(tmp, out)  # atomic: concurrent first imports never see half a file
         finally:
@@ -315,7 +343,10 @@ def _threads(library_vars) -> int | None:
 def _finish(info: BlasInfo) -> BlasInfo:
     """Fill in version and thread count."""
     try:
-        return dataclasses.replace(info, **_tune(info))
+        info = dataclasses.replace(info, **_tune(info))
+        if _shim is not None and info.threads:  # the shim's own products use as many threads
+            _shim.slotinfer_shim_threads(info.threads)
+        return info
     except Exception as e:  # noqa: BLE001 - the library is loaded and serving MLX regardless
         return dataclasses.replace(info, note=_join(info.note, f"introspection failed: {e!r}"))
 

@@ -11,9 +11,21 @@
  * sequence) to sgemv: OpenBLAS's gemm packs the whole weight matrix first and
  * runs ~2.5x slower there (measured, docs/blas.md).
  *
+ * And it computes small products itself.  A decode step's attention is, per
+ * slot and KV head, a [group x head_dim] @ [head_dim x span] product and its
+ * [group x span] @ [span x head_dim] twin: MLX's CPU backend makes one CBLAS
+ * call per (slot, head) -- hundreds per layer -- and each costs OpenBLAS
+ * microseconds of argument checks, buffer allocation and packing for a few
+ * thousand multiply-adds.  The loops below run in registers instead
+ * (docs/blas.md has the measurement).  Each output element is summed in a
+ * fixed order that depends only on its own row and column, never on how many
+ * other rows or columns the call has, so batching and padding cannot change it.
+ *
  * Built as a plain shared object (no Python API); loaded through ctypes.
  */
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -44,6 +56,202 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 static void *s_fn, *d_fn, *c_fn, *sv_fn;
 static int ilp64;
+static int small_on = 1;
+static int own_rows = 64;  /* products with 2 .. own_rows rows against a stored weight: slotinfer's loops */
+
+/* Turn the small-product path off (0) or on (1); returns the previous setting.
+ * For checking the forwarded library alone, and for measuring the difference. */
+int slotinfer_shim_small(int on) {
+  int was = small_on;
+  small_on = on;
+  return was;
+}
+
+/* Products with 2 .. rows rows against a [n, k] matrix (a linear layer's weight as
+ * stored) go through slotinfer's loops, split over the shim's threads; 0 sends them
+ * all to the library.  Returns the previous setting. */
+int slotinfer_shim_own_rows(int rows) {
+  int was = own_rows;
+  own_rows = rows;
+  return was;
+}
+
+/* -- loops ---------------------------------------------------------------- */
+
+typedef float v8f __attribute__((vector_size(32)));
+
+#define load8(p) ({ v8f v_; __builtin_memcpy(&v_, (p), sizeof v_); v_; })
+#define store8(p, v) ({ v8f w_ = (v); __builtin_memcpy((p), &w_, sizeof w_); })
+
+#define KERNEL(name) name##_base
+#define KATTR
+#include "_blas_kernels.h"
+#undef KERNEL
+#undef KATTR
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_AVX2 1
+#define KERNEL(name) name##_avx2
+#define KATTR __attribute__((target("avx2,fma")))
+#include "_blas_kernels.h"
+#undef KERNEL
+#undef KATTR
+#endif
+
+typedef void (*nt_cols_t)(int, int, int, int, float, const float *, long, const float *, long,
+                          float, float *, long);
+typedef void (*nn_small_t)(int, int, int, float, const float *, long, const float *, long, float,
+                           float *, long);
+static nt_cols_t nt_cols = nt_cols_base;
+static nn_small_t nn_small = nn_small_base;
+
+static void pick_kernels(void) {
+#ifdef HAVE_AVX2
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    nt_cols = nt_cols_avx2;
+    nn_small = nn_small_avx2;
+  }
+#endif
+}
+
+/* -- threads -------------------------------------------------------------- */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define CPU_RELAX() __asm__ __volatile__("" ::: "memory")
+#endif
+
+/* A tiny pool: the caller takes the first share of the columns, workers the rest.
+ * Workers spin briefly between products (a decode step issues them back to back),
+ * then sleep on a condition variable. */
+#define MAX_THREADS 64
+static int n_threads = 1, n_started = 0;
+static pthread_t workers[MAX_THREADS];
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* one product at a time */
+static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
+static volatile long generation = 0;
+static volatile int remaining = 0;
+static struct {
+  int m, n, k, parts;
+  float alpha, beta;
+  const float *a, *b;
+  float *c;
+  long lda, ldb, ldc;
+} job;
+
+static void run_part(int part) {
+  /* column ranges in multiples of 3 (the tile width), so parts share no tile */
+  int tiles = (job.n + 2) / 3;
+  int t0 = (int)((long)tiles * part / job.parts), t1 = (int)((long)tiles * (part + 1) / job.parts);
+  int j0 = 3 * t0, j1 = 3 * t1 < job.n ? 3 * t1 : job.n;
+  if (j0 < j1)
+    nt_cols(job.m, j0, j1, job.k, job.alpha, job.a, job.lda, job.b, job.ldb, job.beta, job.c, job.ldc);
+}
+
+static long start_generation[MAX_THREADS];
+
+static void *worker(void *arg) {
+  int part = (int)(long)arg;
+  long seen = start_generation[part];  /* the product that started it comes after this */
+  for (;;) {
+    int spins = 0;
+    while (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen && spins < 200) {
+      CPU_RELAX();
+      spins++;
+    }
+    if (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen) {
+      pthread_mutex_lock(&wake_mu);
+      while (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&wake_cv, &wake_mu);
+      pthread_mutex_unlock(&wake_mu);
+    }
+    seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+    if (part < job.parts) run_part(part);
+    __atomic_sub_fetch(&remaining, 1, __ATOMIC_ACQ_REL);
+  }
+  return NULL;
+}
+
+static void after_fork_child(void) {  /* the workers did not come along; nor did any lock holder */
+  n_started = 0;
+  pthread_mutex_init(&pool_mu, NULL);
+  pthread_mutex_init(&wake_mu, NULL);
+  pthread_cond_init(&wake_cv, NULL);
+}
+
+/* Threads for slotinfer's own products (the library's own setting is separate). */
+int slotinfer_shim_threads(int n) {
+  if (n < 1) n = 1;
+  if (n > MAX_THREADS) n = MAX_THREADS;
+  n_threads = n;
+  return n;
+}
+
+static void own_sgemm(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
+                      int ldb, float beta, float *c, int ldc) {
+  int parts = n_threads;
+  if ((long)m * n * k < (1L << 20) || pthread_mutex_trylock(&pool_mu) != 0) parts = 1;
+  if (parts == 1) {
+    nt_cols(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  static int registered = 0;
+  if (!registered) {
+    pthread_atfork(NULL, NULL, after_fork_child);
+    registered = 1;
+  }
+  while (n_started < parts - 1) {
+    start_generation[n_started + 1] = generation;
+    if (pthread_create(&workers[n_started], NULL, worker, (void *)(long)(n_started + 1)) != 0) break;
+    pthread_detach(workers[n_started]);
+    n_started++;
+  }
+  parts = n_started + 1 < parts ? n_started + 1 : parts;
+  job.m = m; job.n = n; job.k = k; job.parts = parts;
+  job.alpha = alpha; job.beta = beta;
+  job.a = a; job.b = b; job.c = c;
+  job.lda = lda; job.ldb = ldb; job.ldc = ldc;
+  __atomic_store_n(&remaining, n_started, __ATOMIC_RELEASE);
+  pthread_mutex_lock(&wake_mu);
+  __atomic_add_fetch(&generation, 1, __ATOMIC_ACQ_REL);
+  pthread_cond_broadcast(&wake_cv);
+  pthread_mutex_unlock(&wake_mu);
+  run_part(0);
+  for (int spins = 0; __atomic_load_n(&remaining, __ATOMIC_ACQUIRE) > 0; spins++) {
+    if (spins < 4000)
+      CPU_RELAX();
+    else
+      sched_yield();  /* a worker still to run may need this core */
+  }
+  pthread_mutex_unlock(&pool_mu);
+}
+
+/* -- routing -------------------------------------------------------------- */
+
+/* Products of at most SMALL_MNK multiply-adds go through the loops, the rest to the
+ * library.  2^18 covers a decode step's attention up to a span of 1024 (group 2,
+ * head_dim 128); past that the library's per-call cost is small next to the work. */
+#define SMALL_MNK (1L << 18)
+
+/* Row-major, A not transposed; returns 1 when it computed the product. */
+static int own_product(int trb, int m, int n, int k, float alpha, const float *a, int lda,
+                       const float *b, int ldb, float beta, float *c, int ldc) {
+  long mnk = (long)m * n * k;
+  if (small_on && mnk <= SMALL_MNK) {
+    if (trb)
+      nt_cols(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    else
+      nn_small(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return 1;
+  }
+  if (trb && m >= 2 && m <= own_rows) {
+    own_sgemm(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return 1;
+  }
+  return 0;
+}
 
 static void *resolve(void *h, const char *prefix, const char *name,
                      const char *suffix) {
@@ -63,6 +271,7 @@ int slotinfer_shim_init(const char *path, const char *prefix,
   c_fn = resolve(h, prefix, "cblas_cgemm", suffix);
   sv_fn = resolve(h, prefix, "cblas_sgemv", suffix);
   ilp64 = is_ilp64;
+  pick_kernels();
   return (s_fn && d_fn && c_fn && sv_fn) ? 0 : 2;
 }
 
@@ -87,6 +296,8 @@ void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float alpha,
     i = lda; lda = ldb; ldb = i;
   }
   int tra = ta != NO_TRANS, trb = tb != NO_TRANS;
+  if (!tra && m > 0 && n > 0 && k > 0 && own_product(trb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+    return;
   if (m == 1 && n > 1 && k > 1) {  /* c[0,:] = a[0,:] @ op(B) */
     if (trb)
       sgemv(NO_TRANS, n, k, alpha, b, ldb, a, tra ? lda : 1, beta, c, 1);

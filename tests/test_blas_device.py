@@ -15,7 +15,10 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import slotinfer  # first: loads the BLAS before mlx.core
 import mlx.core as mx
@@ -222,3 +225,63 @@ def test_describe():
     assert d["keep_quantized"] is (d["device"] == "gpu")
     assert d["cpu_count"] == os.cpu_count()
     json.dumps(d)  # loggable as is
+
+
+# -- the shim's own small products ----------------------------------------------
+
+SHIM = bool(slotinfer.BLAS.note and "shim" in slotinfer.BLAS.note)
+needs_shim = pytest.mark.skipif(not SHIM, reason="the BLAS is not loaded through slotinfer's shim")
+
+
+@needs_shim
+@given(m=st.integers(1, 9), n=st.integers(1, 300), k=st.integers(1, 140), batch=st.integers(1, 3),
+       ta=st.booleans(), tb=st.booleans(), seed=st.integers(0, 2**16))
+def test_small_products_match_numpy(m, n, k, batch, ta, tb, seed):
+    """Every operand layout MLX hands to cblas_sgemm (strided batches, transposed views)."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((batch, k, m) if ta else (batch, m, k)).astype(np.float32)
+    b = rng.standard_normal((batch, n, k) if tb else (batch, k, n)).astype(np.float32)
+    ma, mb = mx.array(a), mx.array(b)
+    got = np.array(mx.matmul(ma.swapaxes(-1, -2) if ta else ma, mb.swapaxes(-1, -2) if tb else mb))
+    a64 = a.astype(np.float64).swapaxes(-1, -2) if ta else a.astype(np.float64)
+    b64 = b.astype(np.float64).swapaxes(-1, -2) if tb else b.astype(np.float64)
+    want = a64 @ b64
+    scale = np.abs(a64) @ np.abs(b64) + 1e-30
+    assert got.shape == want.shape
+    assert float((np.abs(got - want) / scale).max()) < 1e-5
+
+
+@needs_shim
+@given(g=st.integers(1, 8), d=st.sampled_from([16, 64, 128]), live=st.integers(1, 150), pad=st.integers(1, 100),
+       seed=st.integers(0, 2**16))
+def test_small_products_do_not_depend_on_padding(g, d, live, pad, seed):
+    """A decode step's attention products over a padded span give bit-identical live entries:
+    scores of live keys do not change with more columns, and zero weights on padded
+    rows of V add nothing.  (This is what lets a slot's answer ignore its neighbours.)
+    Sizes stay under the shim's small-product bound (g * d * span <= 2^18)."""
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((g, d)).astype(np.float32))
+    keys = mx.array(rng.standard_normal((live + pad, d)).astype(np.float32))
+    short, long = q @ keys[:live].T, q @ keys.T
+    assert np.array_equal(np.array(short), np.array(long[:, :live]))
+    p = mx.softmax(short, axis=-1)
+    padded = mx.concatenate([p, mx.zeros((g, pad))], axis=1)
+    assert np.array_equal(np.array(p @ keys[:live]), np.array(padded @ keys))
+
+
+@needs_shim
+@given(m=st.integers(2, 64), n=st.integers(1, 700), k=st.sampled_from([64, 200, 1024]), seed=st.integers(0, 2**16))
+def test_weight_products_match_numpy_and_ignore_other_rows(m, n, k, seed):
+    """[rows, k] @ W.T with W stored [n, k] (a linear layer): 2..64 rows go through the
+    shim's threaded loops.  Right to float tolerance, and each row's result is bit-identical
+    whichever other rows share the call -- a slot's logits do not depend on its neighbours."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    mw = mx.array(w)
+    got = np.array(mx.array(x) @ mw.T)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert float((np.abs(got - want) / (np.abs(x) @ np.abs(w).T)).max()) < 1e-5
+    r = int(rng.integers(0, m - 1))
+    pair = np.array(mx.array(x[r:r + 2]) @ mw.T)
+    assert np.array_equal(pair, got[r:r + 2])

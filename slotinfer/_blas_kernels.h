@@ -1,0 +1,126 @@
+/* slotinfer's own sgemm loops, included by _blas_shim.c once per instruction
+ * set: KERNEL(name) gives each copy its own names, KATTR its target attribute.
+ *
+ * Every output element c[i,j] is one 8-lane partial sum over k in ascending
+ * order, reduced the same way, then a scalar tail: the same arithmetic whichever
+ * tile, thread, row count or column count produced it.  So a row's result never
+ * depends on the other rows of the call (the batch) or on how many columns it has
+ * (a padded span).
+ */
+
+/* Sum of the 8 lanes, in a fixed order. */
+KATTR static inline __attribute__((always_inline)) float KERNEL(hsum)(v8f s) {
+  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+}
+
+/* c[i,j] from its 8-lane accumulator: lanes summed in a fixed order, then the
+ * scalar tail k0 .. k (when k is not a multiple of 8). */
+KATTR static inline __attribute__((always_inline)) void KERNEL(finish)(
+    v8f acc, const float *ai, const float *bj, int k0, int k, float alpha, float beta, float *cij) {
+  float s = KERNEL(hsum)(acc);
+  for (int q = k0; q < k; q++) s += ai[q] * bj[q];
+  *cij = alpha * s + (beta == 0.0f ? 0.0f : beta * *cij);
+}
+
+/* One element (edge tiles): the same arithmetic as the 4 x 3 tile below. */
+KATTR static void KERNEL(nt_1x1)(int k, float alpha, const float *a, const float *b, float beta,
+                                 float *c) {
+  v8f acc = {0};
+  int p = 0;
+  for (; p + 8 <= k; p += 8) acc += load8(a + p) * load8(b + p);
+  KERNEL(finish)(acc, a, b, p, k, alpha, beta, c);
+}
+
+/* Rows i .. i+4 of A against rows j .. j+3 of B (B given [n, k]): 12 accumulators in
+ * registers, 7 loads per 12 multiply-adds. */
+KATTR static void KERNEL(nt_4x3)(int k, float alpha, const float *a, long lda, const float *b,
+                                 long ldb, float beta, float *c, long ldc) {
+  const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
+  const float *b0 = b, *b1 = b + ldb, *b2 = b + 2 * ldb;
+  v8f c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0};
+  v8f c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
+  int p = 0;
+  for (; p + 8 <= k; p += 8) {
+    v8f w0 = load8(b0 + p), w1 = load8(b1 + p), w2 = load8(b2 + p), x;
+    x = load8(a0 + p); c00 += x * w0; c01 += x * w1; c02 += x * w2;
+    x = load8(a1 + p); c10 += x * w0; c11 += x * w1; c12 += x * w2;
+    x = load8(a2 + p); c20 += x * w0; c21 += x * w1; c22 += x * w2;
+    x = load8(a3 + p); c30 += x * w0; c31 += x * w1; c32 += x * w2;
+  }
+  KERNEL(finish)(c00, a0, b0, p, k, alpha, beta, c);
+  KERNEL(finish)(c01, a0, b1, p, k, alpha, beta, c + 1);
+  KERNEL(finish)(c02, a0, b2, p, k, alpha, beta, c + 2);
+  KERNEL(finish)(c10, a1, b0, p, k, alpha, beta, c + ldc);
+  KERNEL(finish)(c11, a1, b1, p, k, alpha, beta, c + ldc + 1);
+  KERNEL(finish)(c12, a1, b2, p, k, alpha, beta, c + ldc + 2);
+  KERNEL(finish)(c20, a2, b0, p, k, alpha, beta, c + 2 * ldc);
+  KERNEL(finish)(c21, a2, b1, p, k, alpha, beta, c + 2 * ldc + 1);
+  KERNEL(finish)(c22, a2, b2, p, k, alpha, beta, c + 2 * ldc + 2);
+  KERNEL(finish)(c30, a3, b0, p, k, alpha, beta, c + 3 * ldc);
+  KERNEL(finish)(c31, a3, b1, p, k, alpha, beta, c + 3 * ldc + 1);
+  KERNEL(finish)(c32, a3, b2, p, k, alpha, beta, c + 3 * ldc + 2);
+}
+
+/* One row of A against rows j .. j+3 of B: a single sequence's decode. */
+KATTR static void KERNEL(nt_1x3)(int k, float alpha, const float *a, const float *b, long ldb,
+                                 float beta, float *c) {
+  const float *b0 = b, *b1 = b + ldb, *b2 = b + 2 * ldb;
+  v8f c0 = {0}, c1 = {0}, c2 = {0};
+  int p = 0;
+  for (; p + 8 <= k; p += 8) {
+    v8f x = load8(a + p);
+    c0 += x * load8(b0 + p); c1 += x * load8(b1 + p); c2 += x * load8(b2 + p);
+  }
+  KERNEL(finish)(c0, a, b0, p, k, alpha, beta, c);
+  KERNEL(finish)(c1, a, b1, p, k, alpha, beta, c + 1);
+  KERNEL(finish)(c2, a, b2, p, k, alpha, beta, c + 2);
+}
+
+/* c[0:m, j0:j1] = alpha * A B^T + beta * C, B given [n, k] (a weight matrix as stored). */
+KATTR static void KERNEL(nt_cols)(int m, int j0, int j1, int k, float alpha, const float *a,
+                                  long lda, const float *b, long ldb, float beta, float *c,
+                                  long ldc) {
+  /* Chunks of B rows sized to stay in L2 (~192 KiB) while every 4-row block of A,
+   * kept in L1, passes over them: B comes from memory once, A from L1. */
+  int chunk = (int)((192L << 10) / ((long)k * 4)) / 3 * 3;
+  if (chunk < 3) chunk = 3;
+  int j = j0;
+  for (; j + 3 <= j1; j += chunk) {
+    int je = j + chunk < j1 ? j + chunk : j1;
+    je = j + (je - j) / 3 * 3;
+    int i = 0;
+    for (; i + 4 <= m; i += 4)
+      for (int jj = j; jj < je; jj += 3)
+        KERNEL(nt_4x3)(k, alpha, a + i * lda, lda, b + jj * ldb, ldb, beta, c + i * ldc + jj, ldc);
+    for (; i < m; i++)
+      for (int jj = j; jj < je; jj += 3)
+        KERNEL(nt_1x3)(k, alpha, a + i * lda, b + jj * ldb, ldb, beta, c + i * ldc + jj);
+    if (je < j + chunk) { j = je; break; }
+  }
+  for (; j < j1; j++)
+    for (int i = 0; i < m; i++) KERNEL(nt_1x1)(k, alpha, a + i * lda, b + j * ldb, beta, c + i * ldc + j);
+}
+
+/* c[i,j] = alpha * sum_p a[i,p] * b[p,j] + beta * c[i,j]  (B given [k, n]: rows of B scaled and added,
+ * ascending p, so trailing zero weights add exact zeros) */
+KATTR static void KERNEL(nn_small)(int m, int n, int k, float alpha, const float *a, long lda,
+                                   const float *b, long ldb, float beta, float *c, long ldc) {
+  enum { W = 256 };
+  float acc[W] __attribute__((aligned(32)));
+  for (int i = 0; i < m; i++) {
+    const float *ai = a + i * lda;
+    for (int j0 = 0; j0 < n; j0 += W) {
+      int w = n - j0 < W ? n - j0 : W;
+      for (int j = 0; j < w; j++) acc[j] = 0.0f;
+      for (int p = 0; p < k; p++) {
+        float x = ai[p];
+        const float *bp = b + p * ldb + j0;
+        int j = 0;
+        for (; j + 8 <= w; j += 8) store8(acc + j, load8(acc + j) + x * load8(bp + j));
+        for (; j < w; j++) acc[j] += x * bp[j];
+      }
+      float *ci = c + i * ldc + j0;
+      for (int j = 0; j < w; j++) ci[j] = alpha * acc[j] + (beta == 0.0f ? 0.0f : beta * ci[j]);
+    }
+  }
+}
