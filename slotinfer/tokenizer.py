@@ -46,6 +46,16 @@ def _read_json(path: Path) -> Any:
         raise TokenizerError(f"cannot read {path}: {e}") from None
 
 
+def _read_optional_object(path: Path) -> dict:
+    """A JSON object file that a checkpoint may lack ({} then)."""
+    if not path.is_file():
+        return {}
+    value = _read_json(path)
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} must hold a JSON object")
+    return value
+
+
 def _token_content(value: Any) -> str | None:
     """A special token as written in tokenizer_config / special_tokens_map: a string,
     an AddedToken dict (``{"content": ...}``), or null."""
@@ -219,18 +229,9 @@ class Tokenizer:
                 "re-download it, or upgrade the tokenizers package if the file is newer"
             ) from None
 
-        config: dict = {}
         cfg_path = folder / "tokenizer_config.json"
-        if cfg_path.is_file():
-            config = _read_json(cfg_path)
-            if not isinstance(config, dict):
-                raise TokenizerError(f"{cfg_path} must hold a JSON object")
-        special_map: dict = {}
-        map_path = folder / "special_tokens_map.json"
-        if map_path.is_file():
-            special_map = _read_json(map_path)
-            if not isinstance(special_map, dict):
-                raise TokenizerError(f"{map_path} must hold a JSON object")
+        config = _read_optional_object(cfg_path)
+        special_map = _read_optional_object(folder / "special_tokens_map.json")
 
         def special(name: str) -> str | None:
             value = _token_content(config.get(name))
