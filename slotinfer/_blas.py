@@ -193,15 +193,13 @@ def _load_via_shim(name, lib, prefix, suffix, ilp64):
     # Resolve targets while the shim is still local: MLX must never see null pointers.
     if h.slotinfer_shim_init(lib.encode(), prefix.encode(), suffix.encode(), ilp64) != 0:
         return None, f"{lib} lacks {prefix}cblas_sgemm{suffix}"
-    h.slotinfer_shim_small(0)  # first the library alone, then with the shim's own small products
+    h.slotinfer_shim_own(0)  # first the library alone, then with the shim's own loops
     if not _sgemm_works(h.cblas_sgemm):
         return None, f"{lib} via shim gives wrong results"
-    h.slotinfer_shim_small(1)
+    h.slotinfer_shim_own(1)
     if not _sgemm_works(h.cblas_sgemm):
-        return None, f"the shim's small products give wrong results with {lib}"
-    if os.environ.get("SLOTINFER_OWN_GEMM", "1") == "0":  # every product to the library
-        h.slotinfer_shim_small(0)
-        h.slotinfer_shim_own_rows(0)
+        return None, f"the shim's own loops give wrong results with {lib}"
+    h.slotinfer_shim_own(int(os.environ.get("SLOTINFER_OWN_GEMM", "1") != "0"))  # 0: all to the library
     global _shim
     _shim = h
     ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
@@ -213,11 +211,7 @@ def set_own_products(on: bool) -> bool:
     weight) on or off, leaving every product to the library; returns the previous
     setting.  For measuring what they add (benchmarks/bench_engine.py gives mlx-lm
     the plain library).  A no-op returning False when the BLAS is not reached via the shim."""
-    if _shim is None:
-        return False
-    was = _shim.slotinfer_shim_small(int(on))
-    _shim.slotinfer_shim_own_rows(64 if on else 0)
-    return bool(was)
+    return _shim is not None and bool(_shim.slotinfer_shim_own(int(on)))
 
 
 def _sgemm_works(sgemm) -> bool:

@@ -56,23 +56,15 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
 static void *s_fn, *d_fn, *c_fn, *sv_fn;
 static int ilp64;
-static int small_on = 1;
-static int own_rows = 64;  /* products with 2 .. own_rows rows against a stored weight: slotinfer's loops */
+static int own_on = 1;
+#define OWN_ROWS 64  /* products with 2 .. OWN_ROWS rows against a stored weight: slotinfer's loops */
 
-/* Turn the small-product path off (0) or on (1); returns the previous setting.
- * For checking the forwarded library alone, and for measuring the difference. */
-int slotinfer_shim_small(int on) {
-  int was = small_on;
-  small_on = on;
-  return was;
-}
-
-/* Products with 2 .. rows rows against a [n, k] matrix (a linear layer's weight as
- * stored) go through slotinfer's loops, split over the shim's threads; 0 sends them
- * all to the library.  Returns the previous setting. */
-int slotinfer_shim_own_rows(int rows) {
-  int was = own_rows;
-  own_rows = rows;
+/* Turn slotinfer's own loops (below) off (0) or on (1), leaving every product to the
+ * library; returns the previous setting.  For checking the forwarded library alone,
+ * and for measuring the difference. */
+int slotinfer_shim_own(int on) {
+  int was = own_on;
+  own_on = on;
   return was;
 }
 
@@ -239,14 +231,15 @@ static void own_sgemm(int m, int n, int k, float alpha, const float *a, int lda,
 static int own_product(int trb, int m, int n, int k, float alpha, const float *a, int lda,
                        const float *b, int ldb, float beta, float *c, int ldc) {
   long mnk = (long)m * n * k;
-  if (small_on && mnk <= SMALL_MNK) {
+  if (!own_on) return 0;
+  if (mnk <= SMALL_MNK) {
     if (trb)
       nt_cols(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     else
       nn_small(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return 1;
   }
-  if (trb && m >= 2 && m <= own_rows) {
+  if (trb && m >= 2 && m <= OWN_ROWS) {
     own_sgemm(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return 1;
   }

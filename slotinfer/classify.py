@@ -74,8 +74,8 @@ from .types import ClassifyResult
 
 __all__ = ["classify", "default_token_budget", "encode_labels", "LabelSet"]
 
-# Padded tokens per forward.  On CPU, big batches are no faster (docs/classify.md: 256-512
-# beat 1024-2048 tokens); a GPU wants many more rows to fill it.
+# Padded tokens per forward.  On CPU, bigger batches are no faster (docs/classify.md: budgets
+# 256, 512 and 1024 within 3%) and hold more memory; a GPU wants many more rows to fill it.
 CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 4096
 _FAR = 1 << 30  # key position of a slot that must stay invisible (padding of an earlier segment)
 _HEAD_CHUNK = 64  # rows per full-vocab head call when scoring multi-token labels
