@@ -12,6 +12,7 @@ import os
 
 import mlx.core as mx
 
+from ._compile import ThreadCompiled
 from .sampling import logprobs_of, penalize, sample
 from .slots import DecodeView, SlotTable
 
@@ -35,7 +36,7 @@ class Decoder:
         key = (span, rows.all_greedy, rows.use_sort, rows.seen is not None, top_n)
         fn = self._compiled.get(key)
         if fn is None:
-            fn = self._compiled[key] = (mx.compile if COMPILE else (lambda f: f))(self._make(*key))
+            fn = self._compiled[key] = ThreadCompiled(self._make(*key), enabled=COMPILE)
         seen = rows.seen if rows.seen is not None else mx.zeros((1,), dtype=mx.bool_)
         out = fn(tokens, t.keys, t.values, positions, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
                  rows.seeds, rows.steps, rows.penalty, seen)
@@ -43,10 +44,6 @@ class Decoder:
         if rows.seen is not None:
             rows.seen = seen
         return nxt, extra
-
-    def release(self):
-        """Drop the compiled steps (they are rebuilt on demand)."""
-        self._compiled.clear()
 
     def _make(self, span, greedy, use_sort, use_penalty, top_n):
         net, table = self.net, self.table

@@ -171,8 +171,6 @@ class Inferencer:
                 self._loop()
             finally:
                 mx.synchronize(stream)
-                # Compiled steps traced on this thread must not outlive it (MLX aborts at exit).
-                self.engine.decoder.release()
 
     def _loop(self):
         engine = self.engine

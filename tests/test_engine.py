@@ -117,6 +117,31 @@ def test_close_without_drain_cancels_everything(models):
     assert inf.engine.items.free == [0]
 
 
+_EXIT_SCRIPT = """
+import sys, threading
+import slotinfer
+m = slotinfer.load(sys.argv[1])
+with slotinfer.Inferencer(m, slots=4, max_len=128) as inf:
+    hs = [inf.submit("hello there " * (i + 1), max_tokens=6, ignore_eos=True) for i in range(4)]
+    got = [len(h.result().tokens) for h in hs]
+t = threading.Thread(target=lambda: m.generate("a user thread", max_tokens=3))
+t.start(); t.join()
+print(got)
+"""
+
+
+def test_process_exits_cleanly_after_worker_and_user_threads(model_dir):
+    # Compiled traces live in MLX's thread-local storage; a worker thread's traces that outlive
+    # it abort the process at interpreter exit. Several runs: the abort is a race with teardown.
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(model_dir("qwen3"))],
+                           capture_output=True, text=True, timeout=300)
+        assert (p.returncode, p.stdout.strip()) == (0, "[6, 6, 6, 6]"), p.stderr[-2000:]
+
+
 def test_asyncio_generate_and_stream(models):
     m = models["qwen2"]
     want = m.generate(PROMPTS[0], max_tokens=8)

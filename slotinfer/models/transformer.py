@@ -23,6 +23,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from .._compile import thread_compile
 from .config import ModelConfig, Rope
 
 
@@ -118,12 +119,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-@mx.compile
+@thread_compile
 def _silu_mul(g, u):
     return nn.silu(g) * u
 
 
-@mx.compile
+@thread_compile
 def _gelu_tanh_mul(g, u):
     return 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g))) * u
 
