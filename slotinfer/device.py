@@ -70,6 +70,17 @@ def compute_dtype(stored_dtype, device=None, override=None) -> mx.Dtype:
         return mx.float32
 
 
+def own_elementwise(device=None) -> bool:
+    """Whether exp-based activations and softmax use :mod:`slotinfer.models.fastmath`.
+
+    CPU: yes -- MLX's x86 CPU ``exp`` runs element by element through libm calls, and
+    the version written as fused MLX arithmetic is 3x faster (its docstring has the
+    figures).  GPU: no, its kernels have a fast ``exp``.  ``SLOTINFER_OWN_MATH=0`` turns it
+    off (for comparing the two).
+    """
+    return _kind(device) == "cpu" and os.environ.get("SLOTINFER_OWN_MATH", "1") != "0"
+
+
 def keep_quantized(device=None, override: bool | None = None) -> bool:
     """Whether quantized weights stay quantized (GPU) or are dequantized at load (CPU)."""
     if override is not None:

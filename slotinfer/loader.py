@@ -50,7 +50,7 @@ def load(path, *, dtype=None) -> Model:
     check_weights(cfg, weights, quant)
     weights = _prepare(cfg, weights, quant, compute, keep_q)
 
-    net = Transformer(cfg)
+    net = Transformer(cfg, own_math=device.own_elementwise())
     kept = {name.rsplit(".", 1)[0]: quant[name.rsplit(".", 1)[0]] for name in weights if name.endswith(".scales")}
     if kept:
         nn.quantize(net, class_predicate=lambda p, m: kept.get(p, False))

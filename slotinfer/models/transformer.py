@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .._compile import thread_compile
+from . import fastmath
 from .config import ModelConfig, Rope
 
 
@@ -68,28 +69,34 @@ def _llama3_freqs(rope: Rope, dims: int) -> mx.array:
     return 1.0 / inv
 
 
-def attend(q, k, v, scale: float, mask, softcap: float | None):
-    """Softmax attention with grouped-query heads; soft-capped scores (Gemma 2) take the explicit path."""
-    if softcap is None:
+def attend(q, k, v, scale: float, mask, softcap: float | None, own_math: bool = False):
+    """Softmax attention with grouped-query heads.
+
+    Soft-capped scores (Gemma 2) and ``own_math`` (the CPU policy: :mod:`.fastmath`'s
+    softmax) take the explicit path; otherwise MLX's fused kernel.
+    """
+    if softcap is None and not own_math:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, H, L, D = q.shape
     kvh, S = k.shape[1], k.shape[2]
     q = q.reshape(B, kvh, H // kvh, L, D)
     scores = (q * scale) @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, kvh, rep, L, S]
-    scores = mx.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
     if isinstance(mask, str):
         mask = mx.arange(S)[None] <= (mx.arange(L) + S - L)[:, None]
     if mask is not None:
         mask = mask if mask.ndim < 4 else mx.expand_dims(mask, 2)
         scores = mx.where(mask, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = _softmax(scores) if own_math else mx.softmax(scores, axis=-1, precise=True)
     return (probs @ mx.expand_dims(v, 2)).reshape(B, H, L, D)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, own_math: bool = False):
         super().__init__()
         self.layer = layer
+        self.own_math = own_math
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attn_bias)
@@ -115,7 +122,7 @@ class Attention(nn.Module):
         k = self.rope(k.transpose(0, 2, 1, 3), ctx.offset)
         v = v.reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         k, v = ctx.update(self.layer, k, v)
-        out = attend(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap)
+        out = attend(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap, self.own_math)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -125,16 +132,32 @@ def _silu_mul(g, u):
 
 
 @thread_compile
+def _own_silu_mul(g, u):
+    return fastmath.silu(g) * u
+
+
+@thread_compile
 def _gelu_tanh_mul(g, u):
     return 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g))) * u
 
 
+@thread_compile
+def _own_gelu_tanh_mul(g, u):  # 0.5 (1 + tanh(a)) = sigmoid(2a)
+    return fastmath.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)) * g * u
+
+
+_softmax = thread_compile(fastmath.softmax)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, own_math: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = _gelu_tanh_mul if cfg.activation == "gelu_tanh" else _silu_mul
+        if cfg.activation == "gelu_tanh":
+            self.act = _own_gelu_tanh_mul if own_math else _gelu_tanh_mul
+        else:
+            self.act = _own_silu_mul if own_math else _silu_mul
 
     def __call__(self, x):
         g, u = mx.split(self.gate_up_proj(x), 2, axis=-1)
@@ -142,11 +165,11 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, own_math: bool = False):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, own_math)
+        self.mlp = MLP(cfg, own_math)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.sandwich = cfg.sandwich_norms
@@ -163,20 +186,24 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, own_math: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [Block(cfg, i) for i in range(cfg.num_layers)]
+        self.layers = [Block(cfg, i, own_math) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Transformer(nn.Module):
-    """Token ids -> final hidden states; :meth:`head` turns hidden states into logits."""
+    """Token ids -> final hidden states; :meth:`head` turns hidden states into logits.
 
-    def __init__(self, cfg: ModelConfig):
+    ``own_math``: activations and attention softmax from :mod:`.fastmath` (the CPU policy of
+    :func:`slotinfer.device.own_elementwise`) instead of MLX's kernels.
+    """
+
+    def __init__(self, cfg: ModelConfig, own_math: bool = False):
         super().__init__()
         self.config = cfg
-        self.model = Decoder(cfg)
+        self.model = Decoder(cfg, own_math)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

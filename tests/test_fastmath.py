@@ -1,0 +1,100 @@
+"""The CPU policy's elementwise math (slotinfer.models.fastmath) against float64 references.
+
+The model's outputs are checked against transformers in test_parity_transformers; here each
+function is held to its stated accuracy over its whole input range, including the edges a
+softmax meets (masked -inf scores, underflow) and NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from slotinfer import device
+from slotinfer.models import fastmath
+from slotinfer.models.transformer import attend
+
+EXP = mx.compile(fastmath.exp)
+F32 = dict(width=32, allow_nan=False, allow_infinity=False)
+
+
+@given(arrays(np.float32, st.integers(1, 300), elements=st.floats(-86.875, 88.0, **F32)))
+def test_exp_relative_error_below_2e_7(x):
+    got = np.asarray(EXP(mx.array(x))).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    assert np.all(np.abs(got - want) <= 2e-7 * want)
+
+
+@given(arrays(np.float32, st.integers(1, 50), elements=st.floats(-2.0**100, -87.125, **F32)))
+def test_exp_is_exactly_zero_below_the_cut(x):
+    assert np.all(np.asarray(EXP(mx.array(x))) == 0.0)
+
+
+def test_exp_edges():
+    got = np.asarray(EXP(mx.array([-np.inf, np.nan, np.inf, 0.0], dtype=mx.float32)))
+    assert got[0] == 0.0 and math.isnan(got[1]) and np.isfinite(got[2]) and got[2] > 1e38 and got[3] == 1.0
+
+
+@given(arrays(np.float32, st.integers(1, 300), elements=st.floats(-200.0, 200.0, **F32)))
+def test_silu_matches_float64(x):
+    got = np.asarray(mx.compile(fastmath.silu)(mx.array(x))).astype(np.float64)
+    x64 = x.astype(np.float64)
+    want = x64 / (1.0 + np.exp(-x64))
+    assert np.all(np.abs(got - want) <= 4e-7 * np.abs(want) + 1e-30)
+
+
+@given(arrays(np.float32, st.tuples(st.integers(1, 6), st.integers(1, 40)), elements=st.floats(-60.0, 60.0, **F32)),
+       st.data())
+def test_softmax_matches_float64_and_masked_entries_are_exactly_zero(x, data):
+    keep = data.draw(arrays(np.bool_, x.shape))
+    keep[:, 0] = True  # every row sees at least one column (its own token)
+    scores = np.where(keep, x, -np.inf).astype(np.float32)
+    got = np.asarray(fastmath.softmax(mx.array(scores))).astype(np.float64)
+    s64 = scores.astype(np.float64)
+    e = np.exp(s64 - s64.max(axis=-1, keepdims=True))
+    want = e / e.sum(axis=-1, keepdims=True)
+    assert np.all(got[~keep] == 0.0)
+    assert np.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@given(st.integers(1, 3), st.sampled_from([(2, 1), (4, 2), (4, 4)]), st.integers(1, 5), st.integers(1, 9))
+def test_attention_with_own_softmax_matches_mlx_kernel(b, heads, L, extra):
+    h, kvh = heads
+    S = L + extra
+    rng = np.random.default_rng(b * 100 + L * 10 + extra)
+    q = mx.array(rng.standard_normal((b, h, L, 16), dtype=np.float32))
+    k = mx.array(rng.standard_normal((b, kvh, S, 16), dtype=np.float32))
+    v = mx.array(rng.standard_normal((b, kvh, S, 16), dtype=np.float32))
+    mask = mx.array(rng.random((b, 1, L, S)) < 0.7) | (mx.arange(S) == 0)
+    for m in (None, "causal", mask):
+        ours = attend(q, k, v, 0.25, m, None, own_math=True)
+        ref = attend(q, k, v, 0.25, m, None, own_math=False)
+        assert np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_policy_uses_own_math_on_cpu_only():
+    assert device.own_elementwise("cpu") is True
+    assert device.own_elementwise("gpu") is False
+
+
+@given(arrays(np.float32, st.integers(1, 200), elements=st.floats(-30.0, 30.0, **F32)))
+def test_gelu_tanh_as_sigmoid_matches_float64(g):
+    from slotinfer.models.transformer import _gelu_tanh_mul, _own_gelu_tanh_mul
+
+    one = mx.ones(g.shape)
+    g64 = g.astype(np.float64)
+    want = 0.5 * g64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64**3)))
+    for f in (_own_gelu_tanh_mul, _gelu_tanh_mul):
+        got = np.asarray(f(mx.array(g), one)).astype(np.float64)
+        assert np.allclose(got, want, rtol=2e-6, atol=1e-6)
+
+
+def test_silu_mul_close_to_mlx():
+    g = mx.random.normal((64, 96), key=mx.random.key(1)) * 8
+    assert np.allclose(np.asarray(fastmath.silu(g)), np.asarray(nn.silu(g)), rtol=1e-5, atol=1e-6)
