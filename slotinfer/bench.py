@@ -31,6 +31,8 @@ def add_arguments(p):
     p.add_argument("--dtype", help="compute dtype override (default: the device policy)")
     p.add_argument("--max-len-sweep", action="store_true", help="decode step time vs max_len 512..8192")
     p.add_argument("--mixed", action="store_true", help="continuous vs static batching on mixed lengths")
+    p.add_argument("--mixed-slots", type=int, default=16, help="slots (and static batch size) for --mixed")
+    p.add_argument("--mixed-requests", type=int, default=128, help="requests for --mixed")
 
 
 def bench_model_path() -> Path:
@@ -80,7 +82,7 @@ def step_time_vs_max_len(model, slots=8, live=128, lens=(512, 2048, 8192)) -> di
     return out
 
 
-def mixed_workload(model, slots=8, n=48, seed=0):
+def mixed_workload(model, slots=16, n=128, seed=0):
     """Prompt and output lengths drawn from 16..512: continuous admission vs static batches."""
     rng = random.Random(seed)
     reqs = [(rng.randint(16, 512), rng.randint(16, 512)) for _ in range(n)]
@@ -113,8 +115,9 @@ def run(args) -> int:
             print(f"max_len {max_len:>5}: decode step {ms:7.1f} ms (8 slots, ~128 live tokens)")
         return 0
     if args.mixed:
-        r = mixed_workload(model)
-        print(f"mixed lengths, 8 slots: continuous {r['continuous']:.1f} tok/s, static {r['static']:.1f} tok/s, "
+        r = mixed_workload(model, slots=args.mixed_slots, n=args.mixed_requests)
+        print(f"mixed lengths, {args.mixed_requests} requests, {args.mixed_slots} slots: "
+              f"continuous {r['continuous']:.1f} tok/s, static {r['static']:.1f} tok/s, "
               f"ratio {r['ratio']:.2f}x")
         return 0
     print(f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated each; median of {args.repeats}")
