@@ -18,7 +18,10 @@ import mlx.core as mx
 
 
 class ThreadCompiled:
-    """``fn`` compiled once per calling thread (or run eagerly when ``enabled`` is false)."""
+    """``fn`` compiled once per calling thread (or run eagerly when ``enabled`` is false).
+
+    Usable as a decorator: ``@ThreadCompiled``.
+    """
 
     def __init__(self, fn, enabled: bool = True):
         self.fn, self.enabled = fn, enabled
@@ -32,8 +35,3 @@ class ThreadCompiled:
         if compiled is None:
             compiled = self._local.compiled = mx.compile(self.fn)
         return compiled(*args)
-
-
-def thread_compile(fn):
-    """Decorator form of :class:`ThreadCompiled`."""
-    return ThreadCompiled(fn)

@@ -23,7 +23,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from .._compile import thread_compile
+from .._compile import ThreadCompiled
 from . import fastmath
 from .config import ModelConfig, Rope
 
@@ -126,27 +126,31 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-@thread_compile
+@ThreadCompiled
 def _silu_mul(g, u):
     return nn.silu(g) * u
 
 
-@thread_compile
+@ThreadCompiled
 def _own_silu_mul(g, u):
     return fastmath.silu(g) * u
 
 
-@thread_compile
+def _gelu_arg(g):  # gelu_tanh(g) = 0.5 g (1 + tanh(a))
+    return math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)
+
+
+@ThreadCompiled
 def _gelu_tanh_mul(g, u):
-    return 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g))) * u
+    return 0.5 * g * (1.0 + mx.tanh(_gelu_arg(g))) * u
 
 
-@thread_compile
+@ThreadCompiled
 def _own_gelu_tanh_mul(g, u):  # 0.5 (1 + tanh(a)) = sigmoid(2a)
-    return fastmath.sigmoid(2.0 * math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)) * g * u
+    return fastmath.sigmoid(2.0 * _gelu_arg(g)) * g * u
 
 
-_softmax = thread_compile(fastmath.softmax)
+_softmax = ThreadCompiled(fastmath.softmax)
 
 
 class MLP(nn.Module):
