@@ -1,11 +1,17 @@
 /* slotinfer's own sgemm loops, included by _blas_shim.c once per instruction
  * set: KERNEL(name) gives each copy its own names, KATTR its target attribute.
  *
- * Every output element c[i,j] is one 8-lane partial sum over k in ascending
- * order, reduced the same way, then a scalar tail: the same arithmetic whichever
- * tile, thread, row count or column count produced it.  So a row's result never
- * depends on the other rows of the call (the batch) or on how many columns it has
- * (a padded span).
+ * Two forms, each with one arithmetic per output element whichever tile, thread,
+ * row count or column count produced it, so a row's result never depends on the
+ * other rows of the call (the batch) or on how many columns it has (a padded span):
+ *
+ * - dot form (nt_*): c[i,j] is one 8-lane partial sum over k in ascending order,
+ *   reduced in a fixed order, then a scalar tail.  Reads 3 weight rows 8 floats at a
+ *   time: the fastest way to stream weights when there are few rows to reuse them.
+ * - outer form (tn_*): c[i,j] is one multiply-add chain over k in ascending order, in
+ *   the lane of row i.  Rows of A are packed 8 to a panel; each weight is broadcast
+ *   against two panels (16 rows), so 6 broadcasts and 2 loads feed 12 multiply-adds.
+ *   ~1.35x the dot form's throughput from 16 rows up, less than it below 8.
  */
 
 /* Sum of the 8 lanes, in a fixed order. */
@@ -121,6 +127,88 @@ KATTR static void KERNEL(nn_small)(int m, int n, int k, float alpha, const float
       }
       float *ci = c + i * ldc + j0;
       for (int j = 0; j < w; j++) ci[j] = alpha * acc[j] + (beta == 0.0f ? 0.0f : beta * ci[j]);
+    }
+  }
+}
+
+/* -- outer form ----------------------------------------------------------- */
+
+/* Rows of A packed in panels of 8: ap[q][p][r] = a[8q + r, p]; rows past m are zero.
+ * Always an even number of panels (tiles take two). */
+KATTR static void KERNEL(tn_pack)(int m, int k, const float *a, long lda, float *ap) {
+  int panels = (m + 15) / 16 * 2;
+  for (int q = 0; q < panels; q++) {
+    float *dst = ap + (long)q * 8 * k;
+    int rows = m - 8 * q;
+    rows = rows < 0 ? 0 : rows > 8 ? 8 : rows;
+    for (int p = 0; p < k; p++)
+      for (int r = 0; r < 8; r++) dst[p * 8 + r] = r < rows ? a[(long)(8 * q + r) * lda + p] : 0.0f;
+  }
+}
+
+/* 6 weight rows (j .. j+6) against a panel pair: out[2r + h] holds c[8h .. 8h+8, j+r].
+ * (alpha and beta are applied by the caller: kept out of here, all 16 vector registers
+ * hold the tile and the loop never touches the stack.) */
+KATTR static void KERNEL(tn_6x16)(int k, const float *ap, const float *w, long ldw, v8f *out) {
+  const float *ap0 = ap, *ap1 = ap + 8L * k;
+  const float *w0 = w, *w1 = w + ldw, *w2 = w + 2 * ldw, *w3 = w + 3 * ldw, *w4 = w + 4 * ldw, *w5 = w + 5 * ldw;
+  v8f a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
+  v8f a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
+  for (int p = 0; p < k; p++) {
+    v8f x0 = load8(ap0 + 8 * p), x1 = load8(ap1 + 8 * p), b;
+    float s;
+#define TN_ROW(r) s = w##r[p]; b = (v8f){s, s, s, s, s, s, s, s}; a##r##0 += b * x0; a##r##1 += b * x1;
+    TN_ROW(0) TN_ROW(1) TN_ROW(2) TN_ROW(3) TN_ROW(4) TN_ROW(5)
+#undef TN_ROW
+  }
+  out[0] = a00; out[1] = a01; out[2] = a10; out[3] = a11; out[4] = a20; out[5] = a21;
+  out[6] = a30; out[7] = a31; out[8] = a40; out[9] = a41; out[10] = a50; out[11] = a51;
+}
+
+/* One weight row against a panel pair (the last columns): the same chain per element. */
+KATTR static void KERNEL(tn_1x16)(int k, const float *ap, const float *w, v8f *out) {
+  const float *ap0 = ap, *ap1 = ap + 8L * k;
+  v8f a0 = {0}, a1 = {0};
+  for (int p = 0; p < k; p++) {
+    float s = w[p];
+    v8f b = {s, s, s, s, s, s, s, s};
+    a0 += b * load8(ap0 + 8 * p);
+    a1 += b * load8(ap1 + 8 * p);
+  }
+  out[0] = a0; out[1] = a1;
+}
+
+/* c[0:rows, 0:cols] = alpha * tile + beta * c, from out[2r + h] (lane i & 7 of row i). */
+KATTR static void KERNEL(tn_store)(int rows, int cols, float alpha, float beta, const v8f *out,
+                                   float *c, long ldc) {
+  for (int i = 0; i < rows; i++)
+    for (int r = 0; r < cols; r++) {
+      float *cij = c + i * ldc + r;
+      *cij = alpha * out[2 * r + (i >> 3)][i & 7] + (beta == 0.0f ? 0.0f : beta * *cij);
+    }
+}
+
+/* c[0:m, j0:j1] = alpha * A B^T + beta * C from A packed by tn_pack, B given [n, k]. */
+KATTR static void KERNEL(tn_cols)(int m, int j0, int j1, int k, float alpha, const float *ap,
+                                  const float *b, long ldb, float beta, float *c, long ldc) {
+  /* Chunks of B rows sized to stay in L2 (~256 KiB) while every panel pair passes over them. */
+  int chunk = (int)((256L << 10) / ((long)k * 4)) / 6 * 6;
+  if (chunk < 6) chunk = 6;
+  v8f out[12];
+  for (int jc = j0; jc < j1; jc += chunk) {
+    int je = jc + chunk < j1 ? jc + chunk : j1;
+    for (int i = 0; i < m; i += 16) {
+      int rows = m - i < 16 ? m - i : 16;
+      const float *api = ap + (long)i * k;
+      int j = jc;
+      for (; j + 6 <= je; j += 6) {
+        KERNEL(tn_6x16)(k, api, b + j * ldb, ldb, out);
+        KERNEL(tn_store)(rows, 6, alpha, beta, out, c + i * ldc + j, ldc);
+      }
+      for (; j < je; j++) {
+        KERNEL(tn_1x16)(k, api, b + j * ldb, out);
+        KERNEL(tn_store)(rows, 1, alpha, beta, out, c + i * ldc + j, ldc);
+      }
     }
   }
 }

@@ -28,6 +28,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 typedef void (*sgemm32_t)(int, int, int, int, int, int, float, const float *,
                           int, const float *, int, float, float *, int);
@@ -58,6 +59,7 @@ static void *s_fn, *d_fn, *c_fn, *sv_fn;
 static int ilp64;
 static int own_on = 1;
 #define OWN_ROWS 64  /* products with 2 .. OWN_ROWS rows against a stored weight: slotinfer's loops */
+#define OUTER_ROWS 8 /* from this many rows on, the outer form (below); fewer, the dot form */
 
 /* Turn slotinfer's own loops (below) off (0) or on (1), leaving every product to the
  * library; returns the previous setting.  For checking the forwarded library alone,
@@ -94,8 +96,13 @@ typedef void (*nt_cols_t)(int, int, int, int, float, const float *, long, const 
                           float, float *, long);
 typedef void (*nn_small_t)(int, int, int, float, const float *, long, const float *, long, float,
                            float *, long);
+typedef void (*tn_pack_t)(int, int, const float *, long, float *);
+typedef void (*tn_cols_t)(int, int, int, int, float, const float *, const float *, long, float,
+                          float *, long);
 static nt_cols_t nt_cols = nt_cols_base;
 static nn_small_t nn_small = nn_small_base;
+static tn_pack_t tn_pack = tn_pack_base;
+static tn_cols_t tn_cols = tn_cols_base;
 
 static void pick_kernels(void) {
 #ifdef HAVE_AVX2
@@ -103,6 +110,8 @@ static void pick_kernels(void) {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     nt_cols = nt_cols_avx2;
     nn_small = nn_small_avx2;
+    tn_pack = tn_pack_avx2;
+    tn_cols = tn_cols_avx2;
   }
 #endif
 }
@@ -129,17 +138,21 @@ static volatile int remaining = 0;
 static struct {
   int m, n, k, parts;
   float alpha, beta;
-  const float *a, *b;
+  const float *a, *b, *ap;  /* ap: A packed for the outer form, else NULL */
   float *c;
   long lda, ldb, ldc;
 } job;
 
 static void run_part(int part) {
-  /* column ranges in multiples of 3 (the tile width), so parts share no tile */
-  int tiles = (job.n + 2) / 3;
+  /* column ranges in multiples of the tile width, so parts share no tile */
+  int w = job.ap ? 6 : 3;
+  int tiles = (job.n + w - 1) / w;
   int t0 = (int)((long)tiles * part / job.parts), t1 = (int)((long)tiles * (part + 1) / job.parts);
-  int j0 = 3 * t0, j1 = 3 * t1 < job.n ? 3 * t1 : job.n;
-  if (j0 < j1)
+  int j0 = w * t0, j1 = w * t1 < job.n ? w * t1 : job.n;
+  if (j0 >= j1) return;
+  if (job.ap)
+    tn_cols(job.m, j0, j1, job.k, job.alpha, job.ap, job.b, job.ldb, job.beta, job.c, job.ldc);
+  else
     nt_cols(job.m, j0, j1, job.k, job.alpha, job.a, job.lda, job.b, job.ldb, job.beta, job.c, job.ldc);
 }
 
@@ -181,12 +194,30 @@ int slotinfer_shim_threads(int n) {
   return n;
 }
 
+/* The calling thread's buffer for A packed by tn_pack (grown, never shrunk). */
+static const float *packed(int m, int k, const float *a, int lda) {
+  static __thread float *buf;
+  static __thread size_t cap;
+  size_t need = (size_t)(m + 15) / 16 * 16 * k;
+  if (need > cap) {
+    free(buf);
+    buf = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+    cap = buf ? need : 0;
+  }
+  if (buf) tn_pack(m, k, a, lda, buf);
+  return buf;
+}
+
 static void own_sgemm(int m, int n, int k, float alpha, const float *a, int lda, const float *b,
                       int ldb, float beta, float *c, int ldc) {
+  const float *ap = m >= OUTER_ROWS ? packed(m, k, a, lda) : NULL;
   int parts = n_threads;
   if ((long)m * n * k < (1L << 20) || pthread_mutex_trylock(&pool_mu) != 0) parts = 1;
   if (parts == 1) {
-    nt_cols(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (ap)
+      tn_cols(m, 0, n, k, alpha, ap, b, ldb, beta, c, ldc);
+    else
+      nt_cols(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
   }
   static int registered = 0;
@@ -203,7 +234,7 @@ static void own_sgemm(int m, int n, int k, float alpha, const float *a, int lda,
   parts = n_started + 1 < parts ? n_started + 1 : parts;
   job.m = m; job.n = n; job.k = k; job.parts = parts;
   job.alpha = alpha; job.beta = beta;
-  job.a = a; job.b = b; job.c = c;
+  job.a = a; job.b = b; job.ap = ap; job.c = c;
   job.lda = lda; job.ldb = ldb; job.ldc = ldc;
   __atomic_store_n(&remaining, n_started, __ATOMIC_RELEASE);
   pthread_mutex_lock(&wake_mu);
@@ -232,15 +263,12 @@ static int own_product(int trb, int m, int n, int k, float alpha, const float *a
                        const float *b, int ldb, float beta, float *c, int ldc) {
   long mnk = (long)m * n * k;
   if (!own_on) return 0;
-  if (mnk <= SMALL_MNK) {
-    if (trb)
-      nt_cols(m, 0, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    else
-      nn_small(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (trb && (mnk <= SMALL_MNK || (m >= 2 && m <= OWN_ROWS))) {
+    own_sgemm(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return 1;
   }
-  if (trb && m >= 2 && m <= OWN_ROWS) {
-    own_sgemm(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (mnk <= SMALL_MNK) {
+    nn_small(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return 1;
   }
   return 0;
