@@ -35,7 +35,7 @@ class _Issued:
     """A decode step in flight: what it computed and for whom."""
 
     packed: mx.array  # [2 or more, b]: input tokens, output tokens (+ logprobs)
-    rows: list[tuple[int, Item, bool]]  # (slot, item, its first token came from the Encoder)
+    rows: list[tuple[int, Item, bool, bool]]  # (slot, item, carries its Encoder token, decoded a token)
     top_n: int
     extra: list
 
@@ -143,46 +143,61 @@ class Engine:
             self._first_extra = [_spread(e, slots, self.slots) for e in extra]
             for it in done:
                 self.items.prefilling.remove(it)
-                it.state = "running"
+                it.state, it.issued = "running", 1
                 self.pos[it.slot], self.gen[it.slot] = len(it.prompt), 1
         mx.async_eval(self.tokens)
         self.counters["prefill_s"] += time.perf_counter() - t0
         return done
 
     def _decode(self, firsts) -> _Issued | None:
+        """Issue one decode step for the running items that still need tokens.
+
+        An item whose in-flight steps already cover its ``max_tokens`` gets no more
+        (its row idles), and when no item needs one, no step runs: the Encoder's
+        first tokens then travel to the host on their own.
+        """
         running = self.items.running()
         if not running:
             return None
-        first_set = {id(it) for it in firsts}
+        needed = [it for it in running if it.issued < it.max_tokens]
+        if not needed and not firsts:
+            return None
+        first_set, needed_set = {id(it) for it in firsts}, {id(it) for it in needed}
         top_n = max(it.top_logprobs for it in running)
-        positions = np.full(self.slots, self.max_len, dtype=np.int32)
-        for it in running:
-            positions[it.slot] = self.pos[it.slot]
-        self.rows.steps = mx.array(self.gen)
+        fx = self._first_extra if firsts else None
         tokens_in = self.tokens
-        nxt, extra = self.decoder.step(tokens_in, mx.array(positions), int(positions[[it.slot for it in running]].max()) + 1,
-                                       self.rows, top_n=top_n)
-        self.tokens = nxt
+        if needed:
+            positions = np.full(self.slots, self.max_len, dtype=np.int32)
+            for it in needed:
+                positions[it.slot] = self.pos[it.slot]
+            self.rows.steps = mx.array(self.gen)
+            nxt, extra = self.decoder.step(tokens_in, mx.array(positions), int(positions[[it.slot for it in needed]].max()) + 1,
+                                           self.rows, top_n=top_n)
+            self.tokens = nxt
+        else:
+            nxt, extra = tokens_in, list(fx)  # placeholders of the right shapes; no row reads them
         # Ids are exact in float32 (< 2**24), so tokens and logprobs travel in one array.
         packed = [tokens_in.astype(mx.float32), nxt.astype(mx.float32)]
-        fx = self._first_extra if firsts else None
         if top_n >= 0:
             packed += [extra[0], fx[0] if fx else mx.zeros((self.slots,))]
-        issued = _Issued(mx.stack(packed), [(it.slot, it, id(it) in first_set) for it in running], top_n, [])
+        rows = [(it.slot, it, id(it) in first_set, id(it) in needed_set) for it in running]
+        issued = _Issued(mx.stack(packed), rows, top_n, [])
         if top_n > 0:
             issued.extra = [*extra[1:], *(fx[1:] if fx else extra[1:])]
         mx.async_eval(issued.packed, self.tokens, *self.table.keys, *self.table.values)
-        for it in running:
+        for it in needed:
             self.pos[it.slot] += 1
             self.gen[it.slot] += 1
-        self.counters["steps"] += 1
-        self.counters["occupancy"] += len(running)
+            it.issued += 1
+        if needed:
+            self.counters["steps"] += 1
+            self.counters["occupancy"] += len(needed)
         return issued
 
     def _process(self, issued: _Issued):
         host = np.array(issued.packed)  # the one device-to-host copy of the step
         tops = [np.array(a) for a in issued.extra] if issued.top_n > 0 else None
-        for slot, item, first in issued.rows:
+        for slot, item, first, decoded in issued.rows:
             if item.state != "running" or item.slot != slot:
                 continue  # finished (or cancelled) while this step was in flight
             if first:
@@ -190,6 +205,8 @@ class Engine:
                 top = _top(tops, 2, 3, slot) if tops else None
                 if self.items.accept(item, int(host[0, slot]), lp, top):
                     continue
+            if not decoded:
+                continue
             lp = float(host[2, slot]) if issued.top_n >= 0 else None
             top = _top(tops, 0, 1, slot) if tops else None
             self.counters["decode_tokens"] += 1

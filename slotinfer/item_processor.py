@@ -36,6 +36,7 @@ class Item:
     on_token: object = None
     slot: int = -1
     prefilled: int = 0
+    issued: int = 0  # tokens asked of the device so far (the Encoder's first, then one per decode step)
     state: str = "waiting"  # waiting | prefill | running | done
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -193,6 +193,25 @@ def test_stats_and_memory_are_reported(models):
     assert mem["kv_cache_bytes"] == 2 * c.num_layers * 4 * c.num_kv_heads * 65 * c.head_dim * 4
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+def test_no_decode_step_beyond_the_budget(models, max_tokens):
+    """A batch whose items all run to max_tokens costs exactly max_tokens - 1 decode steps
+    (the first token comes from the Encoder): no step is spent on rows whose budget is
+    already in flight, and max_tokens=1 needs none at all."""
+    m = models["qwen3"]
+    eng = Engine(m, slots=4, max_len=64)
+    items = [eng.make_item(p, max_tokens=max_tokens, ignore_eos=True) for p in PROMPTS]
+    for it in items:
+        eng.add(it)
+    eng.run_until_done()
+    assert eng.counters["steps"] == max_tokens - 1
+    assert eng.counters["decode_tokens"] == 4 * (max_tokens - 1)
+    for p, it in zip(PROMPTS, items):
+        c = it.handle.result(timeout=0)
+        assert c.finish_reason == "length"
+        assert c.tokens == m.generate(p, max_tokens=max_tokens, ignore_eos=True).tokens
+
+
 def test_engine_rejects_bad_construction(models):
     with pytest.raises(ValueError):
         Engine(models["qwen3"], slots=0, max_len=16)
