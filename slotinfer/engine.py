@@ -184,7 +184,7 @@ class Engine:
         issued = _Issued(mx.stack(packed), rows, top_n, [])
         if top_n > 0:
             issued.extra = [*extra[1:], *(fx[1:] if fx else extra[1:])]
-        mx.async_eval(issued.packed, self.tokens, *self.table.keys, *self.table.values)
+        mx.async_eval(issued.packed, self.tokens)
         for it in needed:
             self.pos[it.slot] += 1
             self.gen[it.slot] += 1

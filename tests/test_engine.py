@@ -212,6 +212,27 @@ def test_no_decode_step_beyond_the_budget(models, max_tokens):
         assert c.tokens == m.generate(p, max_tokens=max_tokens, ignore_eos=True).tokens
 
 
+def test_kv_cache_is_written_in_place_while_steps_overlap(model_dir):
+    """Pipelined decode steps (step t+1 issued while step t runs) update every layer's
+    K/V in place: no step ever holds a second copy of a layer, whose cost would follow
+    max_len.  (A model wide enough that a step outlasts the host's bookkeeping, so
+    steps really overlap.)"""
+    m = slotinfer.load(model_dir("qwen3", overrides={"hidden_size": 512, "intermediate_size": 1536,
+                                                      "num_hidden_layers": 3}))
+    eng = Engine(m, slots=16, max_len=4096)
+    for i in range(16):
+        eng.add(eng.make_item(PROMPTS[i % 4], max_tokens=40, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    mx.eval(eng.tokens)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for _ in range(30):
+        eng.step()
+    mx.eval(eng.tokens)
+    assert mx.get_peak_memory() - base < eng.table.keys[0].nbytes / 4
+
+
 def test_engine_rejects_bad_construction(models):
     with pytest.raises(ValueError):
         Engine(models["qwen3"], slots=0, max_len=16)
