@@ -46,6 +46,7 @@ def load(path, *, dtype=None) -> Model:
     quant = _quant_params(raw, weights)
     stored = _stored_dtype(weights)
     compute = device.compute_dtype(stored, override=dtype)
+    device.retain_freed_memory()
     keep_q = device.keep_quantized() and dtype is None
     check_weights(cfg, weights, quant)
     weights = _prepare(cfg, weights, quant, compute, keep_q)

@@ -216,6 +216,48 @@ def test_bad_device_raises():
         device.compute_dtype(mx.float16, "tpu")
 
 
+_FAULTS = """
+import ctypes, resource, sys
+import slotinfer.device as device
+tuned = device.retain_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size = 20 << 20  # a 32-slot LM head's logits are ~19 MB
+def step():  # allocate, touch and free three activations, as a step does
+    ps = [libc.malloc(size) for _ in range(3)]
+    for p in ps:
+        ctypes.memset(p, 1, size)
+    for p in reversed(ps):
+        libc.free(p)
+step()
+f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(tuned, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+"""
+
+
+@pytest.mark.skipif(not (LINUX and __import__("platform").libc_ver()[0] == "glibc"), reason="glibc malloc tuning")
+@pytest.mark.skipif(device.default_device() != "cpu", reason="a CPU policy")
+def test_freed_memory_is_reused_without_page_faults():
+    """The CPU policy keeps freed activations in the process: repeated steps touch no
+    fresh pages.  Left alone when the user tunes glibc's malloc (then the pages come back
+    zeroed by the kernel every step, which is what the policy avoids)."""
+    def run(**env):
+        e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+        out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, cwd=ROOT,
+                             env={**e, **env}, timeout=120)
+        assert out.returncode == 0, out.stderr
+        tuned, faults = out.stdout.split()
+        return tuned == "True", int(faults)
+
+    tuned, faults = run()
+    assert tuned and faults < 1000
+    respected, faults_user = run(MALLOC_ARENA_MAX="2", MALLOC_TRIM_THRESHOLD_="131072")
+    assert not respected and faults_user > 10 * 3 * (20 << 20) // 4096 // 2
+
+
 def test_describe():
     d = device.describe()
     assert d["mlx"] == mx.__version__
@@ -223,6 +265,7 @@ def test_describe():
     assert d["blas"]["name"] == slotinfer.BLAS.name and d["blas"]["optimized"] == slotinfer.BLAS.optimized
     assert d["compute_dtype_for_bfloat16"] == ("float32" if d["device"] == "cpu" else "bfloat16")
     assert d["keep_quantized"] is (d["device"] == "gpu")
+    assert isinstance(d["retain_freed_memory"], bool)
     assert d["cpu_count"] == os.cpu_count()
     json.dumps(d)  # loggable as is
 
