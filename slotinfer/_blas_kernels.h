@@ -134,17 +134,45 @@ KATTR static void KERNEL(nn_small)(int m, int n, int k, float alpha, const float
 /* -- outer form ----------------------------------------------------------- */
 
 /* Rows of A packed in panels of 8: ap[q][p][r] = a[8q + r, p]; rows past m are zero.
- * Always an even number of panels (tiles take two). */
+ * Always an even number of panels (tiles take two).  Full panels go 8 x 8 blocks at a
+ * time through registers (an in-register transpose); the rest element by element. */
+#define SHUF(x, y, ...) __builtin_shuffle(x, y, (v8i){__VA_ARGS__})
 KATTR static void KERNEL(tn_pack)(int m, int k, const float *a, long lda, float *ap) {
   int panels = (m + 15) / 16 * 2;
   for (int q = 0; q < panels; q++) {
     float *dst = ap + (long)q * 8 * k;
+    const float *src = a + (long)8 * q * lda;
     int rows = m - 8 * q;
     rows = rows < 0 ? 0 : rows > 8 ? 8 : rows;
-    for (int p = 0; p < k; p++)
-      for (int r = 0; r < 8; r++) dst[p * 8 + r] = r < rows ? a[(long)(8 * q + r) * lda + p] : 0.0f;
+    int p = 0;
+    if (rows == 8)
+      for (; p + 8 <= k; p += 8) {
+        v8f r0 = load8(src + p), r1 = load8(src + lda + p), r2 = load8(src + 2 * lda + p);
+        v8f r3 = load8(src + 3 * lda + p), r4 = load8(src + 4 * lda + p), r5 = load8(src + 5 * lda + p);
+        v8f r6 = load8(src + 6 * lda + p), r7 = load8(src + 7 * lda + p);
+        v8f t0 = SHUF(r0, r1, 0, 8, 1, 9, 4, 12, 5, 13), t1 = SHUF(r0, r1, 2, 10, 3, 11, 6, 14, 7, 15);
+        v8f t2 = SHUF(r2, r3, 0, 8, 1, 9, 4, 12, 5, 13), t3 = SHUF(r2, r3, 2, 10, 3, 11, 6, 14, 7, 15);
+        v8f t4 = SHUF(r4, r5, 0, 8, 1, 9, 4, 12, 5, 13), t5 = SHUF(r4, r5, 2, 10, 3, 11, 6, 14, 7, 15);
+        v8f t6 = SHUF(r6, r7, 0, 8, 1, 9, 4, 12, 5, 13), t7 = SHUF(r6, r7, 2, 10, 3, 11, 6, 14, 7, 15);
+        v8f u0 = SHUF(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13), u1 = SHUF(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);
+        v8f u2 = SHUF(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13), u3 = SHUF(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+        v8f u4 = SHUF(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13), u5 = SHUF(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
+        v8f u6 = SHUF(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13), u7 = SHUF(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
+        float *d = dst + 8L * p;
+        store8(d, SHUF(u0, u4, 0, 1, 2, 3, 8, 9, 10, 11));
+        store8(d + 8, SHUF(u1, u5, 0, 1, 2, 3, 8, 9, 10, 11));
+        store8(d + 16, SHUF(u2, u6, 0, 1, 2, 3, 8, 9, 10, 11));
+        store8(d + 24, SHUF(u3, u7, 0, 1, 2, 3, 8, 9, 10, 11));
+        store8(d + 32, SHUF(u0, u4, 4, 5, 6, 7, 12, 13, 14, 15));
+        store8(d + 40, SHUF(u1, u5, 4, 5, 6, 7, 12, 13, 14, 15));
+        store8(d + 48, SHUF(u2, u6, 4, 5, 6, 7, 12, 13, 14, 15));
+        store8(d + 56, SHUF(u3, u7, 4, 5, 6, 7, 12, 13, 14, 15));
+      }
+    for (; p < k; p++)
+      for (int r = 0; r < 8; r++) dst[p * 8 + r] = r < rows ? src[(long)r * lda + p] : 0.0f;
   }
 }
+#undef SHUF
 
 /* 6 weight rows (j .. j+6) against a panel pair: out[2r + h] holds c[8h .. 8h+8, j+r].
  * (alpha and beta are applied by the caller: kept out of here, all 16 vector registers

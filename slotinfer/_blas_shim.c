@@ -73,6 +73,7 @@ int slotinfer_shim_own(int on) {
 /* -- loops ---------------------------------------------------------------- */
 
 typedef float v8f __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
 
 #define load8(p) ({ v8f v_; __builtin_memcpy(&v_, (p), sizeof v_); v_; })
 #define store8(p, v) ({ v8f w_ = (v); __builtin_memcpy((p), &w_, sizeof w_); })
