@@ -8,6 +8,7 @@ softmax meets (masked -inf scores, underflow) and NaN.
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,7 +19,7 @@ from hypothesis.extra.numpy import arrays
 
 from slotinfer import device
 from slotinfer.models import fastmath
-from slotinfer.models.transformer import attend
+from slotinfer.models.transformer import attend, attend_split
 
 EXP = mx.compile(fastmath.exp)
 F32 = dict(width=32, allow_nan=False, allow_infinity=False)
@@ -76,6 +77,31 @@ def test_attention_with_own_softmax_matches_mlx_kernel(b, heads, L, extra):
         ours = attend(q, k, v, 0.25, m, None, own_math=True)
         ref = attend(q, k, v, 0.25, m, None, own_math=False)
         assert np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@given(st.integers(1, 9), st.integers(2, 4), st.sampled_from([(2, 1), (4, 2)]), st.integers(1, 40),
+       st.sampled_from([None, 30.0]), st.booleans(), st.integers(0, 2**16))
+def test_attention_split_over_streams_is_exact(b, split, heads, S, softcap, own_math, seed):
+    """A decode step's attention split by slots over concurrent CPU streams gives each row
+    bit for bit what the whole batch gives it: per-row masks and shared ones alike."""
+    h, kvh = heads
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((b, h, 1, 16), dtype=np.float32))
+    k = mx.array(rng.standard_normal((b, kvh, S, 16), dtype=np.float32))
+    v = mx.array(rng.standard_normal((b, kvh, S, 16), dtype=np.float32))
+    per_row = mx.array(rng.random((b, 1, 1, S)) < 0.7) | (mx.arange(S) == 0)
+    for m in (None, per_row, per_row[:1]):
+        whole = attend(q, k, v, 0.25, m, softcap, own_math)
+        parts = attend_split(q, k, v, 0.25, m, softcap, own_math, split)
+        assert np.array_equal(np.asarray(parts), np.asarray(whole))
+
+
+def test_attention_split_is_a_cpu_policy(monkeypatch):
+    monkeypatch.delenv("SLOTINFER_ATTENTION_STREAMS", raising=False)
+    assert device.attention_split("gpu") == 1
+    assert device.attention_split("cpu") == min(os.cpu_count() or 1, 8)
+    monkeypatch.setenv("SLOTINFER_ATTENTION_STREAMS", "1")
+    assert device.attention_split("cpu") == 1
 
 
 def test_policy_uses_own_math_on_cpu_only():

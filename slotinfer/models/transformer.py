@@ -19,6 +19,7 @@ Projections are fused at load time (q|k|v into ``qkv_proj``, gate|up into
 from __future__ import annotations
 
 import math
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -69,6 +70,39 @@ def _llama3_freqs(rope: Rope, dims: int) -> mx.array:
     return 1.0 / inv
 
 
+_local = threading.local()
+
+
+def cpu_streams(n: int) -> tuple:
+    """``n`` CPU streams of the calling thread (MLX streams belong to the thread that made them)."""
+    got = getattr(_local, "streams", ())
+    if len(got) < n:
+        got = _local.streams = got + tuple(mx.new_stream(mx.cpu) for _ in range(n - len(got)))
+    return got[:n]
+
+
+def attend_split(q, k, v, scale: float, mask, softcap: float | None, own_math: bool, split: int):
+    """:func:`attend` with the batch split into ``split`` parts on concurrent CPU streams.
+
+    The CPU policy for decode steps: MLX runs one stream's ops on one thread, and a
+    step's attention reads every slot's K/V from memory, which one core cannot do at
+    the memory's speed.  Rows are independent, so each part is exactly what the whole
+    computes for those rows.
+    """
+    B = q.shape[0]
+    n = min(split, B)
+    if n < 2:
+        return attend(q, k, v, scale, mask, softcap, own_math)
+    cuts = [B * i // n for i in range(n + 1)]
+    per_row = isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[0] == B
+    outs = []
+    for s, lo, hi in zip(cpu_streams(n), cuts, cuts[1:]):
+        with mx.stream(s):
+            outs.append(attend(q[lo:hi], k[lo:hi], v[lo:hi], scale, mask[lo:hi] if per_row else mask, softcap,
+                               own_math))
+    return mx.concatenate(outs, axis=0)
+
+
 def attend(q, k, v, scale: float, mask, softcap: float | None, own_math: bool = False):
     """Softmax attention with grouped-query heads.
 
@@ -93,10 +127,11 @@ def attend(q, k, v, scale: float, mask, softcap: float | None, own_math: bool = 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, own_math: bool = False):
+    def __init__(self, cfg: ModelConfig, layer: int, own_math: bool = False, split: int = 1):
         super().__init__()
         self.layer = layer
         self.own_math = own_math
+        self.split = split
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attn_bias)
@@ -122,7 +157,11 @@ class Attention(nn.Module):
         k = self.rope(k.transpose(0, 2, 1, 3), ctx.offset)
         v = v.reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         k, v = ctx.update(self.layer, k, v)
-        out = attend(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap, self.own_math)
+        mask = ctx.mask(self.layer, L, self.window)
+        if L == 1 and self.split > 1:  # a decode step: every slot's K/V read once, split over streams
+            out = attend_split(q, k, v, self.scale, mask, self.softcap, self.own_math, self.split)
+        else:
+            out = attend(q, k, v, self.scale, mask, self.softcap, self.own_math)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -169,10 +208,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, own_math: bool = False):
+    def __init__(self, cfg: ModelConfig, layer: int, own_math: bool = False, split: int = 1):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, layer, own_math)
+        self.self_attn = Attention(cfg, layer, own_math, split)
         self.mlp = MLP(cfg, own_math)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
@@ -190,10 +229,10 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, own_math: bool = False):
+    def __init__(self, cfg: ModelConfig, own_math: bool = False, split: int = 1):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [Block(cfg, i, own_math) for i in range(cfg.num_layers)]
+        self.layers = [Block(cfg, i, own_math, split) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -201,13 +240,15 @@ class Transformer(nn.Module):
     """Token ids -> final hidden states; :meth:`head` turns hidden states into logits.
 
     ``own_math``: activations and attention softmax from :mod:`.fastmath` (the CPU policy of
-    :func:`slotinfer.device.own_elementwise`) instead of MLX's kernels.
+    :func:`slotinfer.device.own_elementwise`) instead of MLX's kernels.  ``split``: decode
+    attention split over this many concurrent CPU streams (the CPU policy of
+    :func:`slotinfer.device.attention_split`).
     """
 
-    def __init__(self, cfg: ModelConfig, own_math: bool = False):
+    def __init__(self, cfg: ModelConfig, own_math: bool = False, split: int = 1):
         super().__init__()
         self.config = cfg
-        self.model = Decoder(cfg, own_math)
+        self.model = Decoder(cfg, own_math, split)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
