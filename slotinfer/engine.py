@@ -145,7 +145,10 @@ class Engine:
                 self.items.prefilling.remove(it)
                 it.state, it.issued = "running", 1
                 self.pos[it.slot], self.gen[it.slot] = len(it.prompt), 1
-        mx.async_eval(self.tokens)
+        # A fresh prefill attends to its own K/V, so the tokens do not depend on the cache
+        # writes: evaluated here, or a batch that never decodes (max_tokens=1) would leave
+        # them lazy and chain every later batch's graph onto them.
+        mx.async_eval(self.tokens, *self.table.keys, *self.table.values)
         self.counters["prefill_s"] += time.perf_counter() - t0
         return done
 

@@ -233,6 +233,23 @@ def test_kv_cache_is_written_in_place_while_steps_overlap(model_dir):
     assert mx.get_peak_memory() - base < eng.table.keys[0].nbytes / 4
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_memory_does_not_grow_over_batches(models, max_tokens):
+    """Batch after batch through one engine holds no more memory than the first: nothing
+    of a finished batch stays reachable (a prefill-only batch, max_tokens=1, writes K/V
+    that no decode step reads)."""
+    m = models["llama"]
+    eng = Engine(m, slots=4, max_len=64)
+    active = []
+    for _ in range(5):
+        for p in PROMPTS:
+            eng.add(eng.make_item(p, max_tokens=max_tokens, ignore_eos=True))
+        eng.run_until_done()
+        mx.eval(eng.tokens)
+        active.append(mx.get_active_memory())
+    assert max(active[1:]) <= active[0]
+
+
 def test_engine_rejects_bad_construction(models):
     with pytest.raises(ValueError):
         Engine(models["qwen3"], slots=0, max_len=16)
