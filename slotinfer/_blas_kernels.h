@@ -19,13 +19,19 @@ KATTR static inline __attribute__((always_inline)) float KERNEL(hsum)(v8f s) {
   return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
+/* alpha * s + beta * c, with c not read when beta is 0 (BLAS: it may hold NaN). */
+KATTR static inline __attribute__((always_inline)) float KERNEL(axpby)(float alpha, float s, float beta,
+                                                                      const float *c) {
+  return alpha * s + (beta == 0.0f ? 0.0f : beta * *c);
+}
+
 /* c[i,j] from its 8-lane accumulator: lanes summed in a fixed order, then the
  * scalar tail k0 .. k (when k is not a multiple of 8). */
 KATTR static inline __attribute__((always_inline)) void KERNEL(finish)(
     v8f acc, const float *ai, const float *bj, int k0, int k, float alpha, float beta, float *cij) {
   float s = KERNEL(hsum)(acc);
   for (int q = k0; q < k; q++) s += ai[q] * bj[q];
-  *cij = alpha * s + (beta == 0.0f ? 0.0f : beta * *cij);
+  *cij = KERNEL(axpby)(alpha, s, beta, cij);
 }
 
 /* One element (edge tiles): the same arithmetic as the 4 x 3 tile below. */
@@ -126,7 +132,7 @@ KATTR static void KERNEL(nn_small)(int m, int n, int k, float alpha, const float
         for (; j < w; j++) acc[j] += x * bp[j];
       }
       float *ci = c + i * ldc + j0;
-      for (int j = 0; j < w; j++) ci[j] = alpha * acc[j] + (beta == 0.0f ? 0.0f : beta * ci[j]);
+      for (int j = 0; j < w; j++) ci[j] = KERNEL(axpby)(alpha, acc[j], beta, ci + j);
     }
   }
 }
@@ -212,7 +218,7 @@ KATTR static void KERNEL(tn_store)(int rows, int cols, float alpha, float beta, 
   for (int i = 0; i < rows; i++)
     for (int r = 0; r < cols; r++) {
       float *cij = c + i * ldc + r;
-      *cij = alpha * out[2 * r + (i >> 3)][i & 7] + (beta == 0.0f ? 0.0f : beta * *cij);
+      *cij = KERNEL(axpby)(alpha, out[2 * r + (i >> 3)][i & 7], beta, cij);
     }
 }
 

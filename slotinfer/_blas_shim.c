@@ -18,8 +18,10 @@
  * microseconds of argument checks, buffer allocation and packing for a few
  * thousand multiply-adds.  The loops below run in registers instead
  * (docs/blas.md has the measurement).  Each output element is summed in a
- * fixed order that depends only on its own row and column, never on how many
- * other rows or columns the call has, so batching and padding cannot change it.
+ * fixed order that depends only on its own row and column and on which of two
+ * forms the call takes (fewer than 8 rows or not; _blas_kernels.h), never on the
+ * other rows or on how many columns the call has, so a decode step's fixed batch
+ * and a padded span cannot change it.
  *
  * Built as a plain shared object (no Python API); loaded through ctypes.
  */

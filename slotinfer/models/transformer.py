@@ -82,7 +82,8 @@ def cpu_streams(n: int) -> tuple:
 
 
 def attend_split(q, k, v, scale: float, mask, softcap: float | None, own_math: bool, split: int):
-    """:func:`attend` with the batch split into ``split`` parts on concurrent CPU streams.
+    """:func:`attend` with the batch split into ``split`` parts on concurrent CPU streams
+    (plain :func:`attend` when ``split`` or the batch is below 2).
 
     The CPU policy for decode steps: MLX runs one stream's ops on one thread, and a
     step's attention reads every slot's K/V from memory, which one core cannot do at
@@ -157,11 +158,9 @@ class Attention(nn.Module):
         k = self.rope(k.transpose(0, 2, 1, 3), ctx.offset)
         v = v.reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         k, v = ctx.update(self.layer, k, v)
-        mask = ctx.mask(self.layer, L, self.window)
-        if L == 1 and self.split > 1:  # a decode step: every slot's K/V read once, split over streams
-            out = attend_split(q, k, v, self.scale, mask, self.softcap, self.own_math, self.split)
-        else:
-            out = attend(q, k, v, self.scale, mask, self.softcap, self.own_math)
+        split = self.split if L == 1 else 1  # a decode step reads every slot's K/V: split over streams
+        out = attend_split(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap,
+                           self.own_math, split)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
