@@ -226,7 +226,7 @@ def _dense_shape(name, weights, quant):
 
 
 def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
-    """Dequantize (CPU policy), fold Gemma's norm offset, fuse projections, cast."""
+    """Dequantize (CPU policy), fold Gemma's norm offset, fuse projections and q/k norms, cast."""
     out = {}
     for name, w in weights.items():
         module, kind = name.rsplit(".", 1)
@@ -244,11 +244,16 @@ def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
         out[name] = w
     if not keep_q:
         quant.clear()
-    return _fuse(out, quant, compute)
+    return _fuse(cfg, out, quant, compute)
 
 
-def _fuse(weights: dict, quant: dict, compute) -> dict:
+def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
     for i in {n.split(".")[2] for n in weights if n.startswith("model.layers.")}:
+        attn = f"model.layers.{i}.self_attn"
+        if f"{attn}.q_norm.weight" in weights:  # one per-head weight for queries and keys (HeadNorm)
+            q, k = weights.pop(f"{attn}.q_norm.weight"), weights.pop(f"{attn}.k_norm.weight")
+            weights[f"{attn}.qk_norm.weight"] = mx.concatenate(
+                [mx.broadcast_to(q, (cfg.num_heads, q.shape[-1])), mx.broadcast_to(k, (cfg.num_kv_heads, k.shape[-1]))])
         for fused, parts in _FUSED.items():
             parent = f"model.layers.{i}.{'self_attn' if fused == 'qkv_proj' else 'mlp'}"
             modules = [f"{parent}.{p}" for p in parts]

@@ -13,7 +13,8 @@ Attention context protocol::
     ctx.mask(layer, L, window)         # None, "causal", or a bool mask broadcastable to [B, 1, L, S]
 
 Projections are fused at load time (q|k|v into ``qkv_proj``, gate|up into
-``gate_up_proj``): fewer, larger matmuls keep the BLAS busy on CPU.
+``gate_up_proj``): fewer, larger matmuls keep the BLAS busy on CPU.  So are Qwen 3's and
+Gemma 3's q and k norms, into one per-head ``qk_norm``: fewer MLX ops per layer.
 """
 
 from __future__ import annotations
@@ -39,6 +40,20 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x):
         return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over each head of ``[..., heads, dims]`` with a weight per head: queries and keys
+    (Qwen 3, Gemma 3) normed as one tensor.  The loader lays the checkpoint's ``q_norm`` weight
+    on the query heads and ``k_norm``'s on the key heads."""
+
+    def __init__(self, heads: int, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((heads, dims))
+        self.eps = eps
+
+    def __call__(self, x):
+        return mx.fast.rms_norm(x, None, self.eps) * self.weight
 
 
 class RoPE(nn.Module):
@@ -137,10 +152,8 @@ class Attention(nn.Module):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attn_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+        heads = cfg.num_heads + cfg.num_kv_heads
+        self.qk_norm = HeadNorm(heads, cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = RoPE(cfg.rope_for(layer), cfg.head_dim)
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
@@ -154,8 +167,8 @@ class Attention(nn.Module):
         heads = self.n_heads + self.n_kv
         qk, v = mx.split(self.qkv_proj(x), [heads * self.head_dim], axis=-1)
         qk = qk.reshape(B, L, heads, self.head_dim)
-        if self.qk_norm:
-            qk = mx.fast.rms_norm(qk, None, self.q_norm.eps) * self._qk_norm_weight()
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
         qk = self.rope(qk.transpose(0, 2, 1, 3), ctx.offset)
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
         v = v.reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
@@ -164,11 +177,6 @@ class Attention(nn.Module):
         out = attend_split(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap,
                            self.own_math, split)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def _qk_norm_weight(self):
-        """[n_heads + n_kv, head_dim]: the query norm's weight on query heads, the key norm's on key heads."""
-        return mx.concatenate([mx.broadcast_to(self.q_norm.weight, (self.n_heads, self.head_dim)),
-                               mx.broadcast_to(self.k_norm.weight, (self.n_kv, self.head_dim))])
 
 
 @ThreadCompiled
