@@ -1,0 +1,35 @@
+"""The step counts `slotinfer bench --mixed` prints next to its measurements."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from slotinfer.bench import schedule_steps
+
+gens_st = st.lists(st.integers(1, 600), min_size=1, max_size=80)
+
+
+@given(gens_st, st.integers(1, 32))
+def test_schedule_bounds(gens, slots):
+    got = schedule_steps(gens, slots)
+    # neither schedule beats the work spread evenly over the slots, nor the longest item
+    floor = max(max(gens), -(-sum(gens) // slots))
+    assert floor <= got["continuous"] <= got["static"] <= sum(gens)
+    # static: batch after batch, each as long as its longest output
+    assert got["static"] == sum(max(gens[i:i + slots]) for i in range(0, len(gens), slots))
+
+
+@given(gens_st)
+def test_one_slot_is_sequential(gens):
+    assert schedule_steps(gens, 1) == {"static": sum(gens), "continuous": sum(gens)}
+
+
+@given(gens_st, st.integers(1, 32))
+def test_continuous_matches_step_by_step_admission(gens, slots):
+    """An independent replay: step by step, each free slot takes the next item in order."""
+    queue, live, steps = list(gens), [], 0
+    while queue or live:
+        while queue and len(live) < slots:
+            live.append(queue.pop(0))
+        live = [g - 1 for g in live if g > 1]
+        steps += 1
+    assert schedule_steps(gens, slots)["continuous"] == steps
