@@ -87,15 +87,22 @@ def own_elementwise(device=None) -> bool:
 def attention_split(device=None) -> int:
     """Into how many concurrent streams a decode step's attention is split (by slots); 1: none.
 
-    CPU: one per core, up to 8 -- MLX runs each stream's ops on its own thread, and
-    attention over every slot's K/V is bound by how fast one core reads memory (32 slots
-    at 1024 positions, 0.6B shape: 35 -> 16 ms per layer on 2 cores).  GPU: 1, its
-    kernels already use the whole device.  ``SLOTINFER_ATTENTION_STREAMS=n`` sets it.
+    CPU: one per core this process may use (its affinity, SMT siblings once, a container's
+    CPU quota: :func:`slotinfer._blas.usable_cores`), up to 8 -- MLX runs each stream's ops
+    on its own thread, and attention over every slot's K/V is bound by how fast one core
+    reads memory (32 slots at 1024 positions, 0.6B shape: 35 -> 16 ms per layer on 2
+    cores).  More streams than cores only queue behind each other.  GPU: 1, its kernels
+    already use the whole device.  ``SLOTINFER_ATTENTION_STREAMS=n`` sets it.
     """
     if _kind(device) != "cpu":
         return 1
-    n = int(os.environ.get("SLOTINFER_ATTENTION_STREAMS", 0)) or min(os.cpu_count() or 1, 8)
-    return max(1, n)
+    value = os.environ.get("SLOTINFER_ATTENTION_STREAMS", "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"SLOTINFER_ATTENTION_STREAMS={value!r}: expected a whole number >= 1 "
+                             "(the CPU streams a decode step's attention is split over); unset it for the default")
+        return int(value)
+    return min(_blas.usable_cores(), 8)
 
 
 _MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")

@@ -8,16 +8,16 @@ softmax meets (masked -inf scores, underflow) and NaN.
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from slotinfer import device
+from slotinfer import _blas, device
 from slotinfer.models import fastmath
 from slotinfer.models.transformer import attend, attend_split
 
@@ -99,9 +99,21 @@ def test_attention_split_over_streams_is_exact(b, split, heads, S, softcap, own_
 def test_attention_split_is_a_cpu_policy(monkeypatch):
     monkeypatch.delenv("SLOTINFER_ATTENTION_STREAMS", raising=False)
     assert device.attention_split("gpu") == 1
-    assert device.attention_split("cpu") == min(os.cpu_count() or 1, 8)
+    assert device.attention_split("cpu") == min(_blas.usable_cores(), 8)
     monkeypatch.setenv("SLOTINFER_ATTENTION_STREAMS", "1")
     assert device.attention_split("cpu") == 1
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv("SLOTINFER_ATTENTION_STREAMS", bad)
+        with pytest.raises(ValueError, match="SLOTINFER_ATTENTION_STREAMS"):
+            device.attention_split("cpu")
+
+
+@pytest.mark.parametrize("cores, streams", [(1, 1), (2, 2), (3, 3), (8, 8), (64, 8)])
+def test_attention_split_follows_the_cores_the_process_may_use(monkeypatch, cores, streams):
+    """A container's quota or an affinity mask, not the host's CPU count, sets the streams."""
+    monkeypatch.delenv("SLOTINFER_ATTENTION_STREAMS", raising=False)
+    monkeypatch.setattr(_blas, "usable_cores", lambda: cores)
+    assert device.attention_split("cpu") == streams
 
 
 def test_policy_uses_own_math_on_cpu_only():
