@@ -63,6 +63,10 @@ class RoPE(nn.Module):
         self.base = rope.theta
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
         self._freqs = _llama3_freqs(rope, dims) if rope.type == "llama3" else None
+        if self._freqs is not None:
+            # Evaluated now: a lazy array belongs to this thread's stream, and the first step
+            # may run on another thread (the Inferencer's worker), where that stream does not exist.
+            mx.eval(self._freqs)
 
     def __call__(self, x, offset):
         if self._freqs is not None:
