@@ -20,10 +20,10 @@ import numpy as np
 
 from .decoder import Decoder, RowParams
 from .encoder import Encoder
-from .errors import EngineError, PromptTooLongError
+from .errors import EngineError, InvalidRequestError, PromptTooLongError
 from .handle import Handle
 from .item_processor import Item, ItemProcessor
-from .model import check_max_tokens, check_stop
+from .model import check_max_tokens, check_stop, check_token_ids
 from .sampling import SamplingParams
 from .slots import SlotTable
 
@@ -80,20 +80,24 @@ class Engine:
                 f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + budget} > the "
                 f"engine's max_len {self.max_len}; shorten the prompt, lower max_tokens or raise max_len"
             )
-        if not isinstance(top_logprobs, int) or top_logprobs < 0:
-            raise ValueError(f"top_logprobs must be an int >= 0, got {top_logprobs!r}")
-        enders = frozenset(stop_token_ids) | (frozenset() if ignore_eos else model.eos_ids)
+        vocab = model.config.vocab_size
+        if not isinstance(logprobs, bool):
+            raise InvalidRequestError(f"logprobs must be True or False, got {logprobs!r}")
+        if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= vocab:
+            raise InvalidRequestError(f"top_logprobs must be an int in [0, {vocab}] (the vocabulary size), "
+                                      f"got {top_logprobs!r}")
+        enders = check_token_ids(stop_token_ids, vocab) | (frozenset() if ignore_eos else model.eos_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self.counters["submitted"] += 1
+        rid = next(_ids)
         return Item(
-            id=next(_ids), prompt=ids, params=params, seed=seed, max_tokens=budget, stops=stops,
-            enders=enders, handle=Handle(0, loop), detok=model.tokenizer.detokenizer(),
+            id=rid, prompt=ids, params=params, seed=seed, max_tokens=budget, stops=stops,
+            enders=enders, handle=Handle(rid, loop), detok=model.tokenizer.detokenizer(),
             top_logprobs=(top_logprobs if top_logprobs else 0) if (logprobs or top_logprobs) else -1,
             on_token=on_token,
         )
 
     def add(self, item: Item):
-        item.handle.id = item.id
         self.items.add(item)
 
     @property

@@ -155,10 +155,24 @@ def check_max_tokens(max_tokens):
 def check_stop(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    try:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    except TypeError:
+        stops = (stop,)
     if not all(isinstance(s, str) and s for s in stops):
         raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return stops
+
+
+def check_token_ids(ids, vocab: int) -> frozenset[int]:
+    """``stop_token_ids``: an iterable of token ids of the model's vocabulary."""
+    try:
+        got = tuple(ids)
+    except TypeError:
+        got = None
+    if got is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in got):
+        raise InvalidRequestError(f"stop_token_ids must be a list of token ids in [0, {vocab}), got {ids!r}")
+    return frozenset(got)
 
 
 def find_stop(text: str, stops) -> int | None:
@@ -180,7 +194,7 @@ def batch_generate(model: Model, prompts, *, slots: int = 32, prefill_tokens: in
         try:
             encoded[i] = model.encode_prompt(p)
         except Exception as e:
-            results[i] = BatchResult([], "", None, e)
+            results[i] = BatchResult([], "", "error", e)
     if encoded:
         budget = max_tokens if isinstance(max_tokens, int) else 1
         max_len = max(len(ids) + min(budget, model.context_length - len(ids)) for ids in encoded.values())
@@ -190,11 +204,15 @@ def batch_generate(model: Model, prompts, *, slots: int = 32, prefill_tokens: in
             try:
                 item = engine.make_item(ids, **params)
             except Exception as e:
-                results[i] = BatchResult([], "", None, e)
+                results[i] = BatchResult([], "", "error", e)
                 continue
             engine.add(item)
             handles[i] = item.handle
-        engine.run_until_done()
+        while engine.busy:
+            try:
+                engine.step()
+            except Exception as e:  # a device failure ends every prompt still running with the cause
+                engine.fail_all(e)
         for i, h in handles.items():
             try:
                 c = h.result(0)

@@ -29,11 +29,12 @@ class Completion:
 
 @dataclass
 class BatchResult:
-    """One prompt's outcome in :meth:`Model.batch_generate`; ``error`` is set instead of raising."""
+    """One prompt's outcome in :meth:`Model.batch_generate`; ``error`` is set instead of raising
+    (with ``finish_reason == "error"``)."""
 
     tokens: list[int]
     text: str
-    finish_reason: str | None
+    finish_reason: str
     error: Exception | None = None
 
 
