@@ -40,6 +40,8 @@ class Handle:
         self._loop = loop
         self._aevents: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._cancel = threading.Event()
+        self._ended = False  # the end of the stream was pushed
+        self._on_cancel = None  # set by the Inferencer: tells its worker without a scan of the queue
 
     # -- reading ------------------------------------------------------------
 
@@ -55,6 +57,8 @@ class Handle:
         if self._future.done():
             return False
         self._cancel.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
         return True
 
     @property
@@ -70,7 +74,31 @@ class Handle:
             yield ev
 
     def __await__(self):
-        return asyncio.wrap_future(self._future).__await__()
+        return self._wait().__await__()
+
+    async def _wait(self) -> Completion:
+        """The completion, awaited without blocking the loop.  Cancelling the awaiting task
+        (``task.cancel()``, ``asyncio.wait_for`` timing out) cancels the request too."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+
+        def resolve():
+            if not woken.done():
+                woken.set_result(None)
+
+        def wake(_):
+            try:
+                loop.call_soon_threadsafe(resolve)
+            except RuntimeError:  # the loop closed meanwhile: no one is waiting any more
+                pass
+
+        self._future.add_done_callback(wake)
+        try:
+            await woken
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        return self._future.result()
 
     async def __aiter__(self):
         if self._aevents is None:
@@ -85,14 +113,21 @@ class Handle:
 
     def _push(self, ev):
         self._events.put(ev)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._aevents.put_nowait, ev)
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._aevents.put_nowait, ev)
+            except RuntimeError:  # its event loop closed: no one can read the async stream any more
+                self._loop = None
 
     def _finish(self, completion: Completion | None = None, error: BaseException | None = None):
-        if self._future.done():
+        """End the request once: the result first, so a finished stream finds it set."""
+        if self._ended:
             return
+        self._ended = True
+        if not self._future.done():
+            if error is not None:
+                self._future.set_exception(error)
+            else:
+                self._future.set_result(completion)
         self._push(_END)
-        if error is not None:
-            self._future.set_exception(error)
-        else:
-            self._future.set_result(completion)

@@ -14,13 +14,15 @@ import asyncio
 import atexit
 import queue
 import threading
+import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from .engine import Engine
-from .errors import EngineClosed, EngineError, QueueFull, SlotinferError
+from .errors import EngineClosed, EngineError, InvalidRequestError, QueueFull
 from .handle import Handle
 from .types import Completion
 
@@ -48,15 +50,24 @@ class Inferencer:
     """Continuous batching over ``slots`` slots of up to ``max_len`` tokens each.
 
     ``prefill_tokens`` bounds one prefill call (longer prompts arrive in chunks between
-    decode steps); ``max_queue`` bounds the admission queue (0 = unbounded).
+    decode steps); ``max_queue`` bounds how many requests may wait for a slot (0 =
+    unbounded): past it, :meth:`submit` blocks or raises :class:`QueueFull`.
     """
 
     def __init__(self, model, *, slots: int = 32, max_len: int = 2048, prefill_tokens: int = 512,
                  max_queue: int = 0, start: bool = True):
+        if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
+            raise ValueError(f"max_queue must be an int >= 0 (0: unbounded), got {max_queue!r}")
         self.engine = Engine(model, slots=slots, max_len=max_len, prefill_tokens=prefill_tokens)
         self.model = model
-        self._inbox: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._lock = threading.Lock()
+        # Requests not yet handed to the engine.  The worker takes only as many as free slots
+        # can admit, so ``max_queue`` bounds everything waiting and the engine's own lists stay
+        # as short as the slot table however many requests an offline job queues.  Submitting,
+        # closing and the worker's decision to exit all happen under this condition.
+        self._inbox: deque = deque()
+        self._cancelled: queue.SimpleQueue = queue.SimpleQueue()  # cancelled while perhaps still queued
+        self._max_queue = max_queue
+        self._cv = threading.Condition()
         self._closed = False
         self._cancel_all = False
         self._thread: threading.Thread | None = None
@@ -66,7 +77,7 @@ class Inferencer:
     # -- lifecycle --------------------------------------------------------------
 
     def start(self):
-        with self._lock:
+        with self._cv:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="slotinfer-worker", daemon=True)
                 self._thread.start()
@@ -82,13 +93,17 @@ class Inferencer:
     def close(self, *, drain: bool = True, timeout: float | None = None):
         """Stop taking requests.  ``drain=True`` finishes what was submitted; ``False`` cancels it.
 
-        Either way every request ends with its own finish reason; none is dropped.
+        Either way every request ends with its own finish reason; none is dropped (a worker
+        never started is started to do so).  A submit still waiting for room in a full queue
+        gets :class:`EngineClosed`.  Safe to call more than once.
         """
-        with self._lock:
+        with self._cv:
             self._closed = True
-            self._cancel_all = not drain
-        self._inbox.put(None)  # wake the worker
-        if self._thread is not None:
+            if not drain:
+                self._cancel_all = True
+            self._cv.notify_all()
+        self.start()
+        if self._thread is not threading.current_thread():  # not from a callback on the worker
             self._thread.join(timeout)
 
     # -- submitting -------------------------------------------------------------
@@ -98,16 +113,11 @@ class Inferencer:
 
         Parameters are those of :meth:`Model.generate` plus ``logprobs``, ``top_logprobs``,
         ``on_token`` (a callback per :class:`StreamEvent`).  With a full queue, ``block=True``
-        waits (up to ``timeout``) and ``block=False`` raises :class:`QueueFull`.
+        waits (up to ``timeout`` seconds) and ``block=False`` raises :class:`QueueFull`.
         """
-        if self._closed:
-            raise EngineClosed("this Inferencer is closed; create a new one to submit more requests")
+        self._check_open()
         item = self.engine.make_item(prompt, **params)
-        try:
-            self._inbox.put(item, block=block, timeout=timeout)
-        except queue.Full:
-            raise QueueFull(f"the admission queue is full ({self._inbox.maxsize} waiting); retry later or "
-                            "submit with block=True") from None
+        self._enqueue(item, block, timeout)
         return item.handle
 
     def generate(self, prompt, **params) -> Completion:
@@ -115,40 +125,101 @@ class Inferencer:
         return self.submit(prompt, **params).result()
 
     async def generate_async(self, prompt, **params) -> Completion:
-        """``await inf.generate_async(prompt, ...)`` from asyncio code."""
-        return await self.submit(prompt, loop=asyncio.get_running_loop(), **params)
+        """``await inf.generate_async(prompt, ...)`` from asyncio code.
+
+        Never blocks the event loop (a full queue is waited for asynchronously); cancelling
+        the awaiting task cancels the request.
+        """
+        handle = await self._submit_async(prompt, params)
+        return await handle
 
     async def stream_async(self, prompt, **params):
-        """``async for ev in inf.stream_async(prompt, ...)``: tokens and text as they come."""
-        handle = self.submit(prompt, loop=asyncio.get_running_loop(), **params)
-        async for ev in handle:
-            yield ev
-        handle.result()  # surface the request's error, if any
+        """``async for ev in inf.stream_async(prompt, ...)``: tokens and text as they come.
+
+        Leaving the loop early (``break``, an exception, the task cancelled) cancels the request.
+        """
+        handle = await self._submit_async(prompt, params)
+        try:
+            async for ev in handle:
+                yield ev
+            handle.result()  # surface the request's error, if any
+        finally:
+            handle.cancel()  # a no-op once it ended
+
+    async def _submit_async(self, prompt, params) -> Handle:
+        block, timeout = params.pop("block", True), params.pop("timeout", None)
+        self._check_open()
+        item = self.engine.make_item(prompt, loop=asyncio.get_running_loop(), **params)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.001
+        while True:
+            try:
+                self._enqueue(item, block=False, timeout=None)
+                return item.handle
+            except QueueFull:
+                if not block or (deadline is not None and time.monotonic() >= deadline):
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.02)
+
+    def _check_open(self):
+        if self._closed:
+            raise EngineClosed("this Inferencer is closed; create a new one to submit more requests")
+
+    def _enqueue(self, item, block: bool, timeout: float | None):
+        with self._cv:
+            bound = self._max_queue
+            if bound and block and not self._closed:
+                self._cv.wait_for(lambda: self._closed or len(self._inbox) < bound, timeout)
+            self._check_open()
+            if bound and len(self._inbox) >= bound:
+                how = (f"stayed full for {timeout} s; retry later, wait longer, or raise max_queue" if block else
+                       "is full; retry later, or submit with block=True to wait for room")
+                raise QueueFull(f"the admission queue ({bound} waiting) {how}")
+            item.handle._on_cancel = lambda: self._cancelled.put(item)
+            self._inbox.append(item)
+            self._cv.notify_all()
 
     def serve_queue(self, in_q, out_q, *, sentinel=None):
         """Consume requests from ``in_q`` until ``sentinel``; put a :class:`Completion` per request on ``out_q``.
 
-        A request is a prompt, a :class:`Request`, or a dict with ``prompt`` and parameters.
-        Each completion carries ``.request_id``; a request that failed gets
-        ``finish_reason == "error"`` and ``.error``.  Returns once every request ended,
-        after putting ``sentinel`` on ``out_q``.
+        A request is a prompt, a :class:`Request`, or a dict with ``prompt`` and parameters
+        (and optionally ``id``).  Each completion carries ``.request_id``; a request that
+        failed, or was malformed, gets ``finish_reason == "error"`` and ``.error``.  Returns
+        once every request's completion is on ``out_q``, after putting ``sentinel`` there.
+        A full admission queue blocks the reading of ``in_q`` (backpressure); ``out_q`` is
+        written by a thread of its own, so a slow or bounded ``out_q`` never stalls the engine.
         """
-        pending = []
-        while (req := in_q.get()) is not sentinel:
-            if isinstance(req, dict):
-                req = Request(req["prompt"], {k: v for k, v in req.items() if k not in ("prompt", "id")}, req.get("id"))
-            elif not isinstance(req, Request):
-                req = Request(req)
-            try:
-                handle = self.submit(req.prompt, **req.params)
-            except (SlotinferError, ValueError, TypeError) as e:
-                out_q.put(_failed(req.id, e))
-                continue
-            pending.append(handle)
-            handle._future.add_done_callback(lambda f, rid=req.id: out_q.put(_outcome(rid, f)))
-        for h in pending:
-            h._future.exception()  # wait
-        out_q.put(sentinel)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        count = 0
+
+        def forward():
+            sent, total = 0, None
+            while total is None or sent < total:
+                c = done.get()
+                if isinstance(c, _Total):
+                    total = c.n
+                    continue
+                out_q.put(c)
+                sent += 1
+            out_q.put(sentinel)
+
+        forwarder = threading.Thread(target=forward, name="slotinfer-serve-queue", daemon=True)
+        forwarder.start()
+        try:
+            while (req := in_q.get()) is not sentinel:
+                count += 1
+                rid = _request_id(req)
+                try:
+                    prompt, params = _request_parts(req)
+                    handle = self.submit(prompt, **params)
+                except Exception as e:  # a malformed or invalid request ends as its own error completion
+                    done.put(_failed(rid, e))
+                    continue
+                handle._future.add_done_callback(lambda f, rid=rid: done.put(_outcome(rid, f)))
+        finally:
+            done.put(_Total(count))
+            forwarder.join()
 
     # -- reporting --------------------------------------------------------------
 
@@ -158,7 +229,9 @@ class Inferencer:
 
     def stats(self) -> dict:
         """Engine counters: steps, slot occupancy, prefill and decode tokens/s, peak memory."""
-        return self.engine.stats()
+        out = self.engine.stats()
+        out["waiting"] += len(self._inbox)
+        return out
 
     # -- the worker -------------------------------------------------------------
 
@@ -175,12 +248,11 @@ class Inferencer:
     def _loop(self):
         engine = self.engine
         while True:
-            self._drain_inbox(block=not engine.busy)
+            if self._take(block=not engine.busy):
+                return
             if self._cancel_all:
                 for item in [*engine.items.waiting, *filter(None, engine.items.by_slot)]:
                     item.handle.cancel()
-            if not engine.busy and self._closed and self._inbox.empty():
-                return
             if not engine.busy:
                 continue
             try:
@@ -188,15 +260,50 @@ class Inferencer:
             except Exception as e:  # a device failure ends the items in flight, not the worker
                 engine.fail_all(e)
 
-    def _drain_inbox(self, block: bool):
-        while True:
-            try:
-                item = self._inbox.get(block=block, timeout=0.1 if block else None)
-            except queue.Empty:
-                return
-            block = False
-            if item is not None:
-                self.engine.add(item)
+    def _take(self, block: bool) -> bool:
+        """Move requests from the inbox to the engine; True when the worker should exit."""
+        engine = self.engine
+        with self._cv:
+            if block and not self._inbox and not self._closed:
+                self._cv.wait(timeout=0.1)
+            while not self._cancelled.empty():  # cancelled while queued: ends now, not when a slot frees
+                item = self._cancelled.get()
+                try:
+                    self._inbox.remove(item)
+                except ValueError:
+                    engine.items.cancelled.put(item)  # it reached the engine meanwhile
+                    continue
+                engine.add(item)  # which ends it at its next step
+            room = len(self._inbox)
+            if not self._cancel_all:
+                room = min(room, len(engine.items.free) - len(engine.items.waiting))
+            for _ in range(max(room, 0)):
+                engine.add(self._inbox.popleft())
+            if room > 0:
+                self._cv.notify_all()  # room for a blocked submit
+            return self._closed and not self._inbox and not engine.busy
+
+
+@dataclass(frozen=True)
+class _Total:
+    n: int
+
+
+def _request_id(req):
+    if isinstance(req, Request):
+        return req.id
+    return req.get("id") if isinstance(req, dict) else None
+
+
+def _request_parts(req) -> tuple[object, dict]:
+    if isinstance(req, Request):
+        return req.prompt, dict(req.params)
+    if isinstance(req, dict):
+        if "prompt" not in req:
+            raise InvalidRequestError(f"a request dict needs a 'prompt' key (and optionally 'id' and parameters); "
+                                      f"got keys {sorted(map(str, req))}")
+        return req["prompt"], {k: v for k, v in req.items() if k not in ("prompt", "id")}
+    return req, {}
 
 
 def _outcome(request_id, future) -> Completion:
