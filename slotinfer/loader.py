@@ -10,6 +10,7 @@ projections, Gemma's norm offset folded in) and they happen here, once.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import device
-from .errors import ConfigError, ModelNotFoundError, TokenizerError, WeightError
+from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
 from .model import Model
 from .models import ModelConfig, Transformer, parse_config
 from .tokenizer import Tokenizer
@@ -26,6 +27,9 @@ _DROP_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize support
+_QUANT_GROUPS = (32, 64, 128)
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
 
 
 def load(path, *, dtype=None) -> Model:
@@ -37,7 +41,14 @@ def load(path, *, dtype=None) -> Model:
         >>> model = slotinfer.load("models/Qwen3-0.6B")
         >>> model.generate("The capital of France is", max_tokens=8).text
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidRequestError(f"load() takes the path of a model folder (a str or Path), got {path!r}")
     folder = Path(path).expanduser()
+    if folder.is_file():
+        raise ModelNotFoundError(
+            f"{str(folder)!r} is a file, not a folder; pass the folder holding config.json "
+            f"(here probably {str(folder.parent)!r})"
+        )
     if not folder.is_dir():
         raise ModelNotFoundError(f"model folder {str(folder)!r} does not exist; pass the folder holding config.json")
     raw = read_json(folder / "config.json", required=True)
@@ -67,23 +78,38 @@ def load(path, *, dtype=None) -> Model:
     return Model(net, cfg, tokenizer, eos_ids=_eos_ids(folder, raw, tokenizer), dtype=compute, path=folder)
 
 
-def read_json(file: Path, *, required: bool = False) -> dict:
+def read_json(file: Path, *, required: bool = False, error=ConfigError) -> dict:
+    """The JSON in ``file`` ({} when absent and not required); ``error`` is the type raised when it is unreadable."""
     if not file.exists():
         if required:
             raise ModelNotFoundError(f"{file.name} is missing from {str(file.parent)!r}; a model folder needs it")
         return {}
+    if file.is_dir():
+        raise error(f"{file} is a directory, not a file; replace it with the checkpoint's {file.name}")
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file} is not valid JSON ({e}); restore the file from the checkpoint") from None
+        raise error(f"{file} is not valid JSON ({e}); restore the file from the checkpoint") from None
+    except OSError as e:
+        raise error(f"cannot read {file}: {e.strerror or e}; check the file and its permissions") from None
 
 
 def read_safetensors(folder: Path) -> dict[str, mx.array]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = read_json(index).get("weight_map")
+        data = read_json(index, error=WeightError)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
-            raise ConfigError(f"{index} has no 'weight_map' object")
+            raise WeightError(
+                f"{index} has no 'weight_map' object; restore the file from the checkpoint "
+                "(or delete it to read every *.safetensors file of the folder)"
+            )
+        bad = [f for f in weight_map.values() if not isinstance(f, str) or not f]
+        if bad:
+            raise WeightError(
+                f"{index.name}: 'weight_map' must map tensor names to shard file names, got {bad[0]!r}; "
+                "restore the file from the checkpoint"
+            )
         files = sorted({folder / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -103,18 +129,43 @@ def read_safetensors(folder: Path) -> dict[str, mx.array]:
 
 
 def _check_complete(f: Path):
-    """Catch truncated downloads with a clear message before the reader does."""
+    """Catch truncated downloads, and files that are not safetensors at all, before the reader does."""
+    if f.is_dir():
+        raise WeightError(f"{f} is a directory, not a weights file; replace it with the checkpoint's {f.name}")
     size = f.stat().st_size
     with open(f, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
+        start = fh.read(64)
+        if start.startswith(b"version https://git-lfs"):
+            raise WeightError(
+                f"{f.name} is a git-lfs pointer file, not the weights: fetch the real file "
+                "(`git lfs pull` in the clone, or re-download it)"
+            )
+        if len(start) < 8:
             raise WeightError(f"{f.name} is truncated ({size} bytes); re-download it")
-        n = struct.unpack("<Q", head)[0]
+        n = struct.unpack("<Q", start[:8])[0]
+        if n > _MAX_HEADER or start[8:9] not in (b"{", b""):  # a safetensors header is a JSON object
+            raise WeightError(
+                f"{f.name} is not a safetensors file (it starts with {start[:24]!r}); "
+                "the download is damaged or is something else (an error page?), re-download it"
+            )
+        if 8 + n > size:
+            raise WeightError(f"{f.name} is truncated: its header needs {8 + n} bytes, the file has {size}; re-download it")
+        fh.seek(8)
         try:
             header = json.loads(fh.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise WeightError(f"{f.name} has a damaged header; it is not a complete safetensors file, re-download it") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    end = 0
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        o = v.get("data_offsets") if isinstance(v, dict) else None
+        if not (isinstance(o, list) and len(o) == 2 and all(isinstance(x, int) for x in o)):
+            raise WeightError(
+                f"{f.name} is not a valid safetensors file (tensor {k!r} has no valid 'data_offsets'); "
+                "the file is damaged, re-download it"
+            )
+        end = max(end, o[1])
     if 8 + n + end > size:
         raise WeightError(f"{f.name} is truncated: its header needs {8 + n + end} bytes, the file has {size}; re-download it")
 
@@ -136,6 +187,8 @@ def _text_weights(weights: dict) -> dict:
 def _quant_params(raw: dict, weights: dict) -> dict[str, dict]:
     """{module path: {"group_size", "bits"}} for every quantized module in the checkpoint."""
     q = raw.get("quantization") or raw.get("quantization_config") or {}
+    if not isinstance(q, dict):
+        raise ConfigError(f"config.json: 'quantization' must be an object like {{\"group_size\": 64, \"bits\": 4}}, got {q!r}")
     overrides = {}
     for key, val in q.items():
         if isinstance(val, (dict, bool)):
@@ -153,8 +206,23 @@ def _quant_params(raw: dict, weights: dict) -> dict[str, dict]:
             )
         if f"{module}.biases" not in weights:
             raise WeightError(f"{module}.biases is missing: affine-quantized weights need scales and biases")
-        params[module] = {"group_size": int(spec["group_size"]), "bits": int(spec["bits"])}
+        params[module] = {"group_size": _quant_int(spec, "group_size", module, _QUANT_GROUPS),
+                          "bits": _quant_int(spec, "bits", module, _QUANT_BITS)}
     return params
+
+
+def _quant_int(spec: dict, key: str, module: str, allowed: tuple) -> int:
+    val = spec[key]
+    try:
+        n = int(val)
+    except (TypeError, ValueError):
+        n = None
+    if n not in allowed or isinstance(val, bool):
+        raise ConfigError(
+            f"config.json: quantization {key} {val!r} (for {module}) is not valid; MLX supports "
+            f"{', '.join(map(str, allowed))}: set the {key} the checkpoint was quantized with"
+        )
+    return n
 
 
 def _stored_dtype(weights: dict):
@@ -211,18 +279,41 @@ def check_weights(cfg: ModelConfig, weights: dict, quant: dict):
             f"is config.json's model_type ({cfg.model_type!r}) right for these weights?"
         )
     for name, shape in expected.items():
-        got = _dense_shape(name, weights, quant)
-        if got != tuple(shape):
-            raise WeightError(f"tensor {name} has shape {got}, expected {tuple(shape)} from config.json")
+        module = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and module in quant:
+            _check_quantized(module, tuple(shape), weights, quant[module])
+        elif tuple(weights[name].shape) != tuple(shape):
+            raise WeightError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(shape)} from config.json")
 
 
-def _dense_shape(name, weights, quant):
-    module = name.rsplit(".", 1)[0]
-    w = weights[name]
-    if name.endswith(".weight") and module in quant:
-        s = weights[f"{module}.scales"]
-        return (w.shape[0], s.shape[-1] * quant[module]["group_size"])
-    return tuple(w.shape)
+def _check_quantized(module: str, shape: tuple, weights: dict, q: dict):
+    """MLX's affine layout of a dense (out, in) weight: a packed uint32 .weight of (out, in * bits / 32)
+    and float .scales and .biases of (out, in / group_size)."""
+    bits, group_size = q["bits"], q["group_size"]
+    setting = f"bits={bits}, group_size={group_size} (config.json's quantization)"
+    if len(shape) != 2 or shape[1] % group_size or shape[1] * bits % 32:
+        raise ConfigError(
+            f"{module}: a {'x'.join(map(str, shape))} weight cannot be quantized with {setting}; "
+            "the quantization settings do not belong to this model"
+        )
+    w = weights[f"{module}.weight"]
+    if w.dtype != mx.uint32:
+        raise WeightError(
+            f"{module}.weight is {w.dtype}, but a quantized weight (the module has .scales) is packed uint32; "
+            "the checkpoint is damaged or not in MLX's quantized layout, re-download or re-convert it"
+        )
+    out, inp = shape
+    want = {"weight": (out, inp * bits // 32), "scales": (out, inp // group_size), "biases": (out, inp // group_size)}
+    for kind, expected in want.items():
+        t = weights[f"{module}.{kind}"]
+        if tuple(t.shape) != expected:
+            raise WeightError(
+                f"tensor {module}.{kind} has shape {tuple(t.shape)}, expected {expected} for the {out}x{inp} "
+                f"weight quantized with {setting}; the tensors and config.json's quantization do not match "
+                "(wrong bits or group_size, or a damaged checkpoint)"
+            )
+        if kind != "weight" and not mx.issubdtype(t.dtype, mx.floating):
+            raise WeightError(f"{module}.{kind} is {t.dtype}; quantization scales and biases must be floats, re-download it")
 
 
 def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
@@ -280,10 +371,14 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
 def _eos_ids(folder: Path, raw: dict, tokenizer) -> frozenset[int]:
     """EOS ids: generation_config.json (often a list) merged with config.json and the tokenizer's."""
     ids: set[int] = set(tokenizer.eos_ids)
-    for source in (read_json(folder / "generation_config.json"), raw, raw.get("text_config") or {}):
+    gen = read_json(folder / "generation_config.json")
+    if not isinstance(gen, dict):
+        raise ConfigError(f"{folder / 'generation_config.json'} must hold a JSON object; restore it from the checkpoint")
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    for where, source in (("generation_config.json", gen), ("config.json", raw), ("config.json text_config", text)):
         val = source.get("eos_token_id")
-        if isinstance(val, int):
-            ids.add(val)
-        elif isinstance(val, list):
-            ids.update(int(v) for v in val)
+        vals = val if isinstance(val, list) else [] if val is None else [val]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+            raise ConfigError(f"{where}: 'eos_token_id' must be a token id or a list of token ids, got {val!r}")
+        ids.update(vals)
     return frozenset(ids)

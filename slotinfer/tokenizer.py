@@ -38,7 +38,7 @@ def _read_json(path: Path) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(
             f"{path} is not valid JSON ({e}); re-download it or copy it again from the original checkpoint"
         ) from None
@@ -76,6 +76,18 @@ def _eos_id_list(value: Any) -> list[int]:
     if isinstance(value, (list, tuple)):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
+
+
+def _check_unicode(text: str) -> None:
+    """Raise InvalidRequestError if ``text`` holds lone surrogates (what Python makes of undecodable bytes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            f"the text is not valid Unicode: it contains lone surrogates ({text[e.start:e.end]!r} at position "
+            f"{e.start}), typically from bytes that were not valid UTF-8 (undecodable command-line or stdin input); "
+            "pass valid UTF-8 text"
+        ) from None
 
 
 def _contains_type(node: Any, type_name: str) -> bool:
@@ -293,7 +305,11 @@ class Tokenizer:
         is added unless ``text`` already starts with the BOS token."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a str, got {type(text).__name__}")
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # tokenizers' answer to lone surrogates: "TextInputSequence must be str"
+            _check_unicode(text)
+            raise
         if (add_special_tokens and self._adds_bos and len(ids) >= 2
                 and ids[0] == self.bos_id and ids[1] == self.bos_id
                 and self.bos_token is not None and text.startswith(self.bos_token)):
@@ -306,7 +322,10 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
+        try:
+            return self._tok.token_to_id(token)
+        except UnicodeEncodeError:  # lone surrogates: no token is spelled so
+            return None
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(int(token_id))

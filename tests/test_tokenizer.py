@@ -86,6 +86,14 @@ def test_malformed_tokenizer_config(folders, tmp_path):
         Tokenizer.from_folder(d)
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"])
+def test_tokenizer_file_not_utf8(folders, tmp_path, name):
+    d = _copy(folders["qwen2"], tmp_path)
+    (d / name).write_bytes(b"\xff\xfe{}")
+    with pytest.raises(TokenizerError, match=f"{name} is not valid JSON .*utf-8"):
+        Tokenizer.from_folder(d)
+
+
 def test_errors_are_value_errors():
     assert issubclass(TokenizerError, ValueError)
 
@@ -221,6 +229,20 @@ def test_out_of_vocab_ids_decode_to_nothing(toks):
 def test_encode_rejects_non_text(toks):
     with pytest.raises(InvalidRequestError):
         toks["llama"].encode(["not", "text"])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+def test_lone_surrogates_are_invalid_requests(toks, family):
+    """'h\\udcffi' is what Python makes of undecodable argv/stdin bytes; tokenizers answers a bare TypeError."""
+    t = toks[family]
+    phrase = r"not valid Unicode: it contains lone surrogates \('\\udcff' at position 1\).*pass valid UTF-8"
+    for special in (True, False):
+        with pytest.raises(InvalidRequestError, match=phrase):
+            t.encode("h\udcffi", add_special_tokens=special)
+    with pytest.raises(InvalidRequestError, match="not valid Unicode"):
+        t.apply_chat_template([{"role": "user", "content": "\ud800"}], tokenize=True)
+    assert t.token_to_id("\udcff") is None  # no token is spelled so
+    assert t.decode(t.encode("h\u00ffi", add_special_tokens=False)) == "h\u00ffi"  # valid text still encodes
 
 
 # -- chat templates --------------------------------------------------------

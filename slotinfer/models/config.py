@@ -82,7 +82,24 @@ def _need(cfg: dict, key: str, kind=int):
         raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {cfg[key]!r}") from None
 
 
+def _as(value, key: str, kind):
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {value!r}") from None
+
+
+def _opt(cfg: dict, key: str, default, kind=int):
+    """An optional key: ``default`` when absent or null, else its value as ``kind``."""
+    return default if cfg.get(key) is None else _as(cfg[key], key, kind)
+
+
 def _rope(params: dict | None, theta: float | None, where: str) -> Rope:
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(
+            f"config.json: the rope settings of {where} must be an object like "
+            f'{{"rope_type": "linear", "factor": 2.0}}, got {params!r}'
+        )
     params = dict(params or {})
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", theta)
@@ -92,13 +109,16 @@ def _rope(params: dict | None, theta: float | None, where: str) -> Rope:
         raise UnsupportedModelError(
             f"config.json: rope type {kind!r} ({where}) is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
-    rope = Rope(theta=float(theta), type=kind, factor=float(params.get("factor", 1.0) or 1.0))
+    if kind == "llama3" and params.get("factor") is None:
+        raise ConfigError(f"config.json: rope type 'llama3' ({where}) needs a 'factor' (8.0 for Llama 3.1)")
+    theta = _as(theta, "rope_theta", float)
+    rope = Rope(theta=theta, type=kind, factor=_opt(params, "factor", 0.0, float) or 1.0)
     if kind == "llama3":
         rope = Rope(
-            theta=float(theta), type=kind, factor=float(params["factor"]),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            theta=theta, type=kind, factor=_opt(params, "factor", None, float),
+            low_freq_factor=_opt(params, "low_freq_factor", 1.0, float),
+            high_freq_factor=_opt(params, "high_freq_factor", 4.0, float),
+            original_max_position_embeddings=_opt(params, "original_max_position_embeddings", 8192),
         )
     return rope
 
@@ -132,11 +152,17 @@ def parse_config(raw: dict) -> ModelConfig:
         cfg = {**raw["text_config"], "model_type": "gemma3_text"}
         cfg.setdefault("quantization", raw.get("quantization"))
     mt = cfg["model_type"]
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ConfigError(
+                f"config.json: {key!r} must be an object like "
+                f'{{"rope_type": "linear", "factor": 2.0}}, got {cfg[key]!r}'
+            )
 
     hidden = _need(cfg, "hidden_size")
     heads = _need(cfg, "num_attention_heads")
     layers = _need(cfg, "num_hidden_layers")
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = _opt(cfg, "head_dim", 0) or hidden // heads
     rope_params = cfg.get("rope_parameters")
     gemma = mt in ("gemma2", "gemma3_text")
     common = dict(
@@ -145,11 +171,11 @@ def parse_config(raw: dict) -> ModelConfig:
         intermediate_size=_need(cfg, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        num_kv_heads=_opt(cfg, "num_key_value_heads", 0) or heads,
         head_dim=head_dim,
         vocab_size=_need(cfg, "vocab_size"),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 131072),
+        rms_norm_eps=_opt(cfg, "rms_norm_eps", 1e-6, float),
+        max_position_embeddings=_opt(cfg, "max_position_embeddings", 0) or 131072,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         quantization=raw.get("quantization"),
     )
