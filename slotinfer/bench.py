@@ -7,6 +7,7 @@ the model is built locally once and cached; its shape, not its words, sets the s
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import os
 import random
@@ -23,17 +24,30 @@ QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
 CACHE = Path(os.environ.get("SLOTINFER_CACHE", Path.home() / ".cache" / "slotinfer"))
 
 
+def slot_counts(text: str) -> list[int]:
+    """argparse ``type`` of ``--slots``: comma-separated ints >= 1."""
+    try:
+        counts = [int(s) for s in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1 like 1,8,32, got {text!r}")
+    return counts
+
+
 def add_arguments(p):
+    from .cli import positive_int
+
     p.add_argument("--model", help="model folder (default: a random Qwen3-0.6B-shaped model, built once)")
-    p.add_argument("--slots", default="1,8,32", help="comma-separated slot counts")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--gen-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="runs per point; the median is printed")
+    p.add_argument("--slots", type=slot_counts, default="1,8,32", help="comma-separated slot counts")
+    p.add_argument("--prompt-tokens", type=positive_int, default=32)
+    p.add_argument("--gen-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per point; the median is printed")
     p.add_argument("--dtype", help="compute dtype override (default: the device policy)")
     p.add_argument("--max-len-sweep", action="store_true", help="decode step time vs max_len 512..8192")
     p.add_argument("--mixed", action="store_true", help="continuous vs static batching on mixed lengths")
-    p.add_argument("--mixed-slots", type=int, default=16, help="slots (and static batch size) for --mixed")
-    p.add_argument("--mixed-requests", type=int, default=128, help="requests for --mixed")
+    p.add_argument("--mixed-slots", type=positive_int, default=16, help="slots (and static batch size) for --mixed")
+    p.add_argument("--mixed-requests", type=positive_int, default=128, help="requests for --mixed")
 
 
 def bench_model_path() -> Path:
@@ -146,7 +160,7 @@ def run(args) -> int:
         return 0
     print(f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated each; median of {args.repeats}")
     print(f"{'slots':>5} {'tokens/s':>10} {'decode tokens/s':>16}")
-    for slots in [int(s) for s in args.slots.split(",")]:
+    for slots in args.slots:
         runs = [engine_tokens_per_s(model, slots, args.prompt_tokens, args.gen_tokens) for _ in range(args.repeats)]
         agg = statistics.median(r["tokens_per_s"] for r in runs)
         dec = statistics.median(r["decode_tokens_per_s"] for r in runs)

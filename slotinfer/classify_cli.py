@@ -5,12 +5,13 @@
 
 Input is read by extension (or ``--format``): plain text (one sentence per line),
 JSONL (the ``text`` field, or ``--column``; ``id`` when present) or CSV
-(``--column``, default ``text``; ``id`` when present).  Each sentence gets one JSON
-line ``{"id", "label", "scores"}``; the id is the line number (the record's line
-for CSV) when the input has none.  A bad line (empty, not UTF-8, malformed JSON, no
-such column, too long for the context) gets ``{"id", "error"}`` instead and the run
-goes on.  Output is appended: a re-run skips ids already written, so an interrupted
-run resumes where it stopped.
+(``--column``, default ``text``; ``id`` when present); a leading UTF-8 byte-order mark
+is dropped.  Each sentence gets one JSON line ``{"id", "label", "scores"}``; the id is
+the line number (the record's line for CSV, as a string when the CSV has an ``id``
+column, whose cells are strings) when the input has none.  A bad line (empty, not
+UTF-8, malformed JSON, no such column, too long for the context) gets
+``{"id", "error"}`` instead and the run goes on.  Output is appended: a re-run skips
+ids already written, so an interrupted run resumes where it stopped.
 
 ``--template FILE`` holds the prompt around each sentence, with ``{text}`` (or the
 Jinja ``{{ text }}``) where the sentence goes; the part before it becomes the shared
@@ -22,6 +23,7 @@ suffix)``, see :mod:`slotinfer.classify`.
 from __future__ import annotations
 
 import argparse
+import codecs
 import csv
 import io
 import json
@@ -83,7 +85,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
     args = parser.parse_args(["classify", *(sys.argv[1:] if argv is None else argv)])
-    return run(args)
+    return run(args)  # run reports slotinfer's typed errors, as the ``slotinfer`` entry point does
 
 
 # -- input ---------------------------------------------------------------------------
@@ -98,6 +100,8 @@ def _format_of(path: str, fmt: str) -> str:
 def read_records(path: str, fmt: str = "auto", column: str | None = None) -> Iterator[Record]:
     """Yield a :class:`Record` per line (per CSV record) of ``path``."""
     fmt = _format_of(path, fmt)
+    if path != "-" and os.path.isdir(path):
+        raise UsageError(f"input {path!r} is a directory, not a file; give the file to classify")
     if path != "-" and not os.path.isfile(path):
         raise UsageError(f"input file {path!r} does not exist")
     try:
@@ -114,6 +118,8 @@ def read_records(path: str, fmt: str = "auto", column: str | None = None) -> Ite
 def _read_lines(f, fmt: str, column: str) -> Iterator[Record]:
     for n, raw in enumerate(f, 1):
         raw = raw.rstrip(b"\r\n")
+        if n == 1 and raw.startswith(codecs.BOM_UTF8):
+            raw = raw[len(codecs.BOM_UTF8):]  # a byte-order mark (Windows editors, Excel) is no text
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -153,7 +159,7 @@ def _checked(n: int, rid, text, column: str, present: bool) -> Record:
 
 
 def _read_csv(f, column: str) -> Iterator[Record]:
-    text = io.TextIOWrapper(f, encoding="utf-8", errors="surrogateescape", newline="")
+    text = io.TextIOWrapper(f, encoding="utf-8-sig", errors="surrogateescape", newline="")  # -sig: drop a BOM
     reader = csv.reader(text)
     try:
         header = next(reader)
@@ -175,7 +181,9 @@ def _read_csv(f, column: str) -> Iterator[Record]:
             continue
         if not row:
             continue  # csv gives [] for a blank line between records
-        rid = row[id_col] if id_col is not None and id_col < len(row) and row[id_col] != "" else start
+        rid = start
+        if id_col is not None:  # cells are strings: so is the line number standing in for a blank one
+            rid = row[id_col] if id_col < len(row) and row[id_col] != "" else str(start)
         present = col < len(row)
         yield _checked(start, rid, row[col] if present else None, column, present)
 
@@ -183,7 +191,7 @@ def _read_csv(f, column: str) -> Iterator[Record]:
 def parse_template(path: str) -> tuple[str | None, str]:
     """(prefix, suffix) of a template file: the text before and after ``{text}``."""
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8-sig") as fh:
             tpl = fh.read()
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read template {path!r}: {e}") from None
@@ -275,12 +283,20 @@ def _clock(seconds: float) -> str:
 # -- the run -------------------------------------------------------------------------
 
 def run(args) -> int:
-    """Carry out ``slotinfer classify``; returns the exit code (0 done, 1 model failed, 2 usage)."""
+    """Carry out ``slotinfer classify``; returns the exit code (0 done, 1 model failed or stdout closed, 2 usage)."""
+    from .errors import InvalidRequestError, SlotinferError
+
     try:
         return _run(args)
-    except UsageError as e:
+    except (UsageError, InvalidRequestError) as e:
         print(f"slotinfer classify: error: {e}", file=sys.stderr)
         return 2
+    except SlotinferError as e:
+        print(f"slotinfer classify: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # stdout's reader went away (`| head`): stop writing, quietly
+        from .cli import stdout_closed
+        return stdout_closed()
 
 
 def _run(args) -> int:
@@ -305,15 +321,25 @@ def _run(args) -> int:
         print(f"slotinfer classify: cannot load the model: {e}", file=sys.stderr)
         return 1
     try:
-        encode_labels(model, labels, args.label_prefix)  # fail before any line is written
+        label_set = encode_labels(model, labels, args.label_prefix)  # fail before any line is written
     except InvalidRequestError as e:
         raise UsageError(f"--labels: {e}") from None
+    if prefix is not None:  # so does a prefix that leaves no room for a sentence
+        opt = f"--template {args.template!r}" if args.template else "--prefix"
+        try:
+            n = len(model.encode_prompt(prefix, what="prefix"))
+        except InvalidRequestError as e:
+            raise UsageError(f"{opt}: {e}") from None
+        if n + label_set.longest >= model.context_length:  # + 1 sentence token + the label's continuation
+            raise UsageError(f"{opt}: the prefix ({n} tokens) and the longest label ({label_set.longest} tokens) "
+                             f"leave no room for a sentence in the model's context of {model.context_length}: "
+                             "shorten the prefix")
 
     out = sys.stdout
     done = set()
     if args.output:
-        done = done_ids(args.output)
         try:
+            done = done_ids(args.output)
             out = open(args.output, "a", encoding="utf-8")
         except OSError as e:
             raise UsageError(f"cannot write {args.output!r}: {e.strerror}") from None

@@ -1,6 +1,8 @@
 """Shared fixtures: one tiny model per family, written in published layouts and loaded for real."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,3 +34,20 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def models(model_dir):
     return {f: slotinfer.load(model_dir(f)) for f in FAMILIES}
+
+
+@pytest.fixture
+def head_1():
+    """``python -m slotinfer ARGS < stdin | head -1``: (exit status, the first line, stderr)."""
+
+    def run(args, stdin: bytes):
+        proc = subprocess.Popen([sys.executable, "-m", "slotinfer", *map(str, args)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdin.write(stdin)  # far more than a pipe holds: the writer meets the closed end
+        proc.stdin.close()
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        return proc.wait(timeout=120), first, err
+
+    return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import mlx.core as mx
@@ -272,3 +273,85 @@ def test_cli_usage_errors(tiny, tmp_path, capsys):
     assert rc == 2 and "does not exist" in capsys.readouterr().err
     rc, _, _ = _run_cli(tiny, tmp_path, "in.csv", "id,body\n1,x\n", labels="a,b")
     assert rc == 2 and "no column 'text'" in capsys.readouterr().err
+
+
+def _classify_stdin(tiny, monkeypatch, data: bytes, *extra):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+    return main(["--model", str(tiny["qwen3"][0]), "--labels", "yes,no,maybe so", "--label-prefix", " ", "-q",
+                 *extra, "-"])
+
+
+@pytest.mark.parametrize("name,content", [
+    ("in.txt", "hello there\nsecond one\n"),
+    ("in.jsonl", '{"text": "hello there"}\n{"text": "second one"}\n'),
+    ("in.csv", "text\nhello there\nsecond one\n"),
+    ("-", "hello there\nsecond one\n"),  # stdin
+])
+def test_cli_strips_a_byte_order_mark(tiny, tmp_path, monkeypatch, capsys, name, content):
+    def run(data: bytes):
+        if name == "-":
+            rc = _classify_stdin(tiny, monkeypatch, data)
+            return rc, {json.dumps(x["id"]): x for x in map(json.loads, capsys.readouterr().out.splitlines())}
+        rc, recs, out = _run_cli(tiny, tmp_path, name, data)
+        out.unlink()
+        return rc, recs
+
+    rc, plain = run(content.encode())
+    rc_bom, bom = run(b"\xef\xbb\xbf" + content.encode())
+    assert rc == rc_bom == 0 and len(bom) == 2 and all("label" in r for r in bom.values())
+    assert bom == plain  # the mark changed neither a column name, a JSON line nor sentence 1's result
+
+
+def test_cli_csv_ids_are_all_strings(tiny, tmp_path):
+    src, out = tmp_path / "in.csv", tmp_path / "out.jsonl"
+    src.write_text("id,text\n3,alpha\n,beta\n,gamma\n")  # line 3's blank id stands in as "3": taken
+    rc = main(["--model", str(tiny["qwen3"][0]), "--labels", "a,b", "-q", "--output", str(out), str(src)])
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert rc == 0 and all(isinstance(r["id"], str) for r in recs) and sorted(r["id"] for r in recs) == ["3", "3", "4"]
+    err = [r for r in recs if "error" in r]
+    assert len(err) == 1 and "line 3" in err[0]["error"] and "already used on line 2" in err[0]["error"]
+
+
+@pytest.mark.parametrize("case", ["input is a directory", "output is a directory"])
+def test_cli_directories_are_usage_errors(tiny, tmp_path, capsys, case):
+    src = tmp_path / "in.txt"
+    src.write_text("x\n")
+    argv = ["--model", str(tiny["qwen3"][0]), "--labels", "a,b", "-q"]
+    if case == "input is a directory":
+        rc, want = main([*argv, str(tmp_path)]), "is a directory, not a file"
+    else:
+        rc, want = main([*argv, "--output", str(tmp_path), str(src)]), f"cannot write {str(tmp_path)!r}"
+    err = capsys.readouterr().err
+    assert rc == 2 and want in err and err.startswith("slotinfer classify: error:") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("how", ["--prefix", "--template", "prefix and label"])
+def test_cli_prefix_too_long_stops_before_any_output(tiny, tmp_path, capsys, how):
+    model = tiny["qwen3"][1]
+    ctx = model.context_length
+    labels = "yes,no"
+    if how == "prefix and label":  # the prefix alone fits; with the longest label no sentence does
+        lo, hi = 1, ctx  # the longest "word word ..." prefix shorter than ctx - 1 tokens
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if len(model.tokenizer.encode("word " * mid)) < ctx - 1 else (lo, mid)
+        extra, long_label = ["--prefix", "word " * lo], " ".join(["yes"] * 8)
+        n = len(model.tokenizer.encode(extra[1]))
+        assert n < ctx - 1 and n + len(model.tokenizer.encode(" " + long_label, add_special_tokens=False)) >= ctx
+        labels += "," + long_label
+        want = "leave no room for a sentence"
+    elif how == "--template":
+        (tmp_path / "t.txt").write_text("word " * ctx + "{text}\nAnswer:\n")
+        extra, want = ["--template", str(tmp_path / "t.txt")], "shorten the prefix"
+    else:
+        extra, want = ["--prefix", "word " * ctx], "shorten the prefix"
+    rc, recs, out = _run_cli(tiny, tmp_path, "in.txt", "good one\n\nanother\n", *extra, labels=labels)
+    err = capsys.readouterr().err
+    assert rc == 2 and not out.exists() and err.startswith(f"slotinfer classify: error: {extra[0]}") and want in err
+
+
+def test_cli_into_a_closed_pipe_exits_quietly(tiny, head_1):
+    lines = "".join(f"sentence number {i}\n" for i in range(3000)).encode()
+    rc, first, err = head_1(["classify", "--model", tiny["qwen3"][0], "--labels", "a,b", "-q", "-"], lines)
+    assert rc == 1 and "label" in json.loads(first)
+    assert "Traceback" not in err and "BrokenPipe" not in err

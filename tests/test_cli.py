@@ -1,0 +1,65 @@
+"""The ``slotinfer`` command line: ``generate`` and ``bench`` argument handling, on a real tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import pytest
+
+from slotinfer.bench import add_arguments
+from slotinfer.cli import main
+
+
+def _cli(argv, capsys):
+    """(exit code, stdout, stderr) of ``slotinfer ARGV``; argparse's usage errors exit through SystemExit."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_generate_strips_crlf_from_stdin(model_dir, monkeypatch, capsys):
+    model = str(model_dir("qwen3"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there\r\n\r\nsecond\r\n"))
+    rc, out, _ = _cli(["generate", "--model", model, "--max-tokens", "3"], capsys)
+    from_stdin = [json.loads(x) for x in out.splitlines()]
+    rc_args, out, _ = _cli(["generate", "--model", model, "--max-tokens", "3", "hello there", "second"], capsys)
+    assert rc == rc_args == 0 and [r["prompt"] for r in from_stdin] == ["hello there", "second"]
+    assert from_stdin == [json.loads(x) for x in out.splitlines()]
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--slots", "0"), ("--slots", "-1"), ("--max-tokens", "0"), ("--temperature", "-1"), ("--temperature", "nan"),
+    ("--top-p", "0"), ("--top-k", "-2"), ("--seed", "-1"),
+])
+def test_generate_bad_arguments_are_usage_errors(model_dir, capsys, flag, value):
+    rc, out, err = _cli(["generate", "--model", str(model_dir("qwen3")), flag, value, "hello"], capsys)
+    assert rc == 2 and out == ""  # before any prompt runs
+    assert f"slotinfer generate: error: argument {flag}:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--slots", "abc"), ("--slots", "0"), ("--slots", "1,,8"), ("--slots", "8,-1"), ("--repeats", "0"),
+    ("--gen-tokens", "0"), ("--mixed-slots", "0"),
+])
+def test_bench_bad_arguments_are_usage_errors(capsys, flag, value):
+    rc, out, err = _cli(["bench", flag, value], capsys)
+    assert rc == 2 and out == "" and f"slotinfer bench: error: argument {flag}:" in err
+
+
+def test_bench_slots_parse_to_ints():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).slots == [1, 8, 32]
+    assert p.parse_args(["--slots", "2, 4"]).slots == [2, 4]
+
+
+def test_generate_into_a_closed_pipe_exits_quietly(model_dir, head_1):
+    prompts = "".join(f"prompt {i}\n" for i in range(3000)).encode()
+    rc, first, err = head_1(["generate", "--model", model_dir("qwen3"), "--max-tokens", "1"], prompts)
+    assert rc == 1 and json.loads(first)["prompt"] == "prompt 0"
+    assert "Traceback" not in err and "BrokenPipe" not in err
