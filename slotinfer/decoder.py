@@ -32,7 +32,9 @@ class Decoder:
         ``positions`` [b] int32: where each slot's input token goes (trash column when idle).
         """
         t = self.table
-        span = min(-(-span // SPAN_BUCKET) * SPAN_BUCKET, t.capacity)
+        # Never past max_len: the trash column holds what idle rows and padding wrote, which in a
+        # sliding-window layer can be NaN (a fully masked row), and 0 * NaN would reach live rows.
+        span = min(-(-span // SPAN_BUCKET) * SPAN_BUCKET, t.max_len)
         key = (span, rows.all_greedy, rows.use_sort, rows.seen is not None, top_n)
         fn = self._compiled.get(key)
         if fn is None:

@@ -102,7 +102,7 @@ class ItemProcessor:
         if logprob is not None:
             item.logprobs.append(logprob)
         if top is not None:
-            item.top.append(top)
+            item.top.append(top[: item.top_logprobs])  # the step computed the most any row asked for
         if token in item.enders:
             return self._emit_and_finish(item, token, "stop")
         item.text += item.detok.add(token)

@@ -82,6 +82,38 @@ def test_logprobs_match_a_full_forward(models):
     assert [t[0][0] for t in c.top_logprobs] == best
 
 
+def test_each_row_gets_its_own_number_of_top_logprobs(models):
+    m = models["qwen2"]
+    with slotinfer.Inferencer(m, slots=3, max_len=64) as inf:
+        hs = [inf.submit(p, max_tokens=4, ignore_eos=True, **kw) for p, kw in
+              zip(PROMPTS, [dict(top_logprobs=2), dict(top_logprobs=5), dict(logprobs=True)])]
+        a, b, c = [h.result(timeout=60) for h in hs]
+    assert [len(t) for t in a.top_logprobs] == [2] * 4 and [len(t) for t in b.top_logprobs] == [5] * 4
+    assert [t[0][0] for t in a.top_logprobs] == a.tokens and [t[0][0] for t in b.top_logprobs] == b.tokens  # greedy
+    assert c.top_logprobs is None and len(c.logprobs) == 4
+    alone = m.batch_generate([PROMPTS[0]], max_tokens=4, ignore_eos=True, top_logprobs=2)
+    assert a.tokens == alone[0].tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("max_len", [100, 128])
+def test_a_slot_left_idle_never_poisons_its_next_occupant(models, family, max_len):
+    """An idle row of a sliding-window layer sees no key at all (NaN), and writes the trash column;
+    a later occupant's step must never read that column, whatever max_len's rounding."""
+    m = models[family]
+    first, second = list(range(5, 15)), list(range(100, 170))  # the second longer than the window and 64
+    engine = Engine(m, slots=2, max_len=max_len)
+    a = engine.make_item(first, max_tokens=20, ignore_eos=True)
+    engine.add(a)
+    for _ in range(5):
+        engine.step()  # slot 1 idles through these decode steps
+    b = engine.make_item(second, max_tokens=25, ignore_eos=True)
+    engine.add(b)
+    engine.run_until_done()
+    assert a.handle.result(0).tokens == m.generate(first, max_tokens=20, ignore_eos=True).tokens
+    assert b.handle.result(0).tokens == m.generate(second, max_tokens=25, ignore_eos=True).tokens
+
+
 def test_max_len_is_validated_at_submit(models):
     m = models["qwen3"]
     with slotinfer.Inferencer(m, slots=1, max_len=16) as inf:
