@@ -56,9 +56,10 @@ class Handle:
         """Ask the worker to stop this request; it ends with ``finish_reason == "cancelled"``."""
         if self._future.done():
             return False
-        self._cancel.set()
-        if self._on_cancel is not None:
-            self._on_cancel()
+        if not self._cancel.is_set():  # asked once: the worker hears of it once
+            self._cancel.set()
+            if self._on_cancel is not None:
+                self._on_cancel()
         return True
 
     @property

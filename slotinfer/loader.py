@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import device
+from ._files import read_json
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
 from .model import Model
 from .models import ModelConfig, Transformer, parse_config
@@ -51,7 +52,7 @@ def load(path, *, dtype=None) -> Model:
         )
     if not folder.is_dir():
         raise ModelNotFoundError(f"model folder {str(folder)!r} does not exist; pass the folder holding config.json")
-    raw = read_json(folder / "config.json", required=True)
+    raw = read_json(folder / "config.json", error=ConfigError, required=True)
     cfg = parse_config(raw)
     weights = _text_weights(read_safetensors(folder))
     quant = _quant_params(raw, weights)
@@ -76,22 +77,6 @@ def load(path, *, dtype=None) -> Model:
             "the tokenizer belongs to another model; copy the tokenizer files of this checkpoint"
         )
     return Model(net, cfg, tokenizer, eos_ids=_eos_ids(folder, raw, tokenizer), dtype=compute, path=folder)
-
-
-def read_json(file: Path, *, required: bool = False, error=ConfigError) -> dict:
-    """The JSON in ``file`` ({} when absent and not required); ``error`` is the type raised when it is unreadable."""
-    if not file.exists():
-        if required:
-            raise ModelNotFoundError(f"{file.name} is missing from {str(file.parent)!r}; a model folder needs it")
-        return {}
-    if file.is_dir():
-        raise error(f"{file} is a directory, not a file; replace it with the checkpoint's {file.name}")
-    try:
-        return json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{file} is not valid JSON ({e}); restore the file from the checkpoint") from None
-    except OSError as e:
-        raise error(f"cannot read {file}: {e.strerror or e}; check the file and its permissions") from None
 
 
 def read_safetensors(folder: Path) -> dict[str, mx.array]:
@@ -371,7 +356,7 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
 def _eos_ids(folder: Path, raw: dict, tokenizer) -> frozenset[int]:
     """EOS ids: generation_config.json (often a list) merged with config.json and the tokenizer's."""
     ids: set[int] = set(tokenizer.eos_ids)
-    gen = read_json(folder / "generation_config.json")
+    gen = read_json(folder / "generation_config.json", error=ConfigError)
     if not isinstance(gen, dict):
         raise ConfigError(f"{folder / 'generation_config.json'} must hold a JSON object; restore it from the checkpoint")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import tokenizers
 
+from ._files import read_json
 from .errors import InvalidRequestError, ModelNotFoundError, TokenizerError
 
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
@@ -34,23 +35,11 @@ _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(
-            f"{path} is not valid JSON ({e}); re-download it or copy it again from the original checkpoint"
-        ) from None
-    except OSError as e:
-        raise TokenizerError(f"cannot read {path}: {e}") from None
-
-
 def _read_optional_object(path: Path) -> dict:
     """A JSON object file that a checkpoint may lack ({} then)."""
     if not path.is_file():
         return {}
-    value = _read_json(path)
+    value = read_json(path, error=TokenizerError)
     if not isinstance(value, dict):
         raise TokenizerError(f"{path} must hold a JSON object")
     return value
@@ -230,7 +219,7 @@ class Tokenizer:
                 "copy it from the original checkpoint (or convert the slow tokenizer with "
                 "transformers: AutoTokenizer.from_pretrained(...).save_pretrained(folder))"
             )
-        raw = _read_json(tj)
+        raw = read_json(tj, error=TokenizerError)
         if not isinstance(raw, dict) or "model" not in raw:
             raise TokenizerError(f"{tj} is not a tokenizers file (no 'model' section); re-download it")
         try:
@@ -263,7 +252,7 @@ class Tokenizer:
         if template is None:
             ct_json = folder / "chat_template.json"
             if ct_json.is_file():
-                data = _read_json(ct_json)
+                data = read_json(ct_json, error=TokenizerError)
                 if isinstance(data, dict):
                     template = _pick_template(data.get("chat_template"), str(ct_json))
 

@@ -94,12 +94,14 @@ def _opt(cfg: dict, key: str, default, kind=int):
     return default if cfg.get(key) is None else _as(cfg[key], key, kind)
 
 
-def _rope(params: dict | None, theta: float | None, where: str) -> Rope:
+def _rope_object(params, what: str):
     if params is not None and not isinstance(params, dict):
-        raise ConfigError(
-            f"config.json: the rope settings of {where} must be an object like "
-            f'{{"rope_type": "linear", "factor": 2.0}}, got {params!r}'
-        )
+        raise ConfigError(f'config.json: {what} must be an object like {{"rope_type": "linear", "factor": 2.0}}, '
+                          f"got {params!r}")
+
+
+def _rope(params: dict | None, theta: float | None, where: str) -> Rope:
+    _rope_object(params, f"the rope settings of {where}")
     params = dict(params or {})
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", theta)
@@ -153,11 +155,7 @@ def parse_config(raw: dict) -> ModelConfig:
         cfg.setdefault("quantization", raw.get("quantization"))
     mt = cfg["model_type"]
     for key in ("rope_scaling", "rope_parameters"):
-        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
-            raise ConfigError(
-                f"config.json: {key!r} must be an object like "
-                f'{{"rope_type": "linear", "factor": 2.0}}, got {cfg[key]!r}'
-            )
+        _rope_object(cfg.get(key), repr(key))
 
     hidden = _need(cfg, "hidden_size")
     heads = _need(cfg, "num_attention_heads")
