@@ -86,6 +86,8 @@ class Engine:
         if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= vocab:
             raise InvalidRequestError(f"top_logprobs must be an int in [0, {vocab}] (the vocabulary size), "
                                       f"got {top_logprobs!r}")
+        if on_token is not None and not callable(on_token):
+            raise InvalidRequestError(f"on_token must be a callable taking a StreamEvent, or None; got {on_token!r}")
         enders = check_token_ids(stop_token_ids, vocab) | (frozenset() if ignore_eos else model.eos_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self.counters["submitted"] += 1

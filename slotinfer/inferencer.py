@@ -114,6 +114,11 @@ class Inferencer:
         Parameters are those of :meth:`Model.generate` plus ``logprobs``, ``top_logprobs``,
         ``on_token`` (a callback per :class:`StreamEvent`).  With a full queue, ``block=True``
         waits (up to ``timeout`` seconds) and ``block=False`` raises :class:`QueueFull`.
+
+        ``on_token`` runs on the worker thread between steps, so it sees events in order and
+        without delay, but a slow callback delays every slot: keep it quick, and iterate the
+        handle from a thread of your own for heavy work.  If it raises, its request ends
+        with finish reason ``"error"`` and the others go on.
         """
         self._check_open()
         item = self.engine.make_item(prompt, **params)

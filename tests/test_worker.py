@@ -35,6 +35,7 @@ def _in_thread(fn, timeout=120.0):
 @pytest.mark.parametrize("bad", [
     dict(top_logprobs=10**6), dict(top_logprobs=True), dict(top_logprobs=-1), dict(logprobs=1),
     dict(stop_token_ids=5), dict(stop_token_ids=[-1]), dict(stop_token_ids=["x"]), dict(stop=5),
+    dict(on_token="print"),
 ])
 def test_bad_parameters_fail_at_submit_and_touch_no_other_request(models, bad):
     m = models["qwen3"]
