@@ -1,9 +1,9 @@
-"""The step counts `slotinfer bench --mixed` prints next to its measurements."""
+"""The step counts and the prefill bound `slotinfer bench --mixed` prints next to its measurements."""
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slotinfer.bench import schedule_steps
+from slotinfer.bench import diluted_ratio, schedule_steps
 
 gens_st = st.lists(st.integers(1, 600), min_size=1, max_size=80)
 
@@ -33,3 +33,12 @@ def test_continuous_matches_step_by_step_admission(gens, slots):
         live = [g - 1 for g in live if g > 1]
         steps += 1
     assert schedule_steps(gens, slots)["continuous"] == steps
+
+
+@given(st.floats(1.0, 3.0), st.floats(0.1, 1000.0), st.floats(0.0, 1000.0))
+def test_diluted_ratio_is_the_ratio_of_wall_times(decode_ratio, decode_s, prefill_s):
+    """Static decodes ``decode_ratio`` times as long as continuous; both prefill the same prompts."""
+    continuous, static = decode_s + prefill_s, decode_ratio * decode_s + prefill_s
+    got = diluted_ratio(decode_ratio, prefill_s / continuous)
+    assert abs(got - static / continuous) <= 1e-9 * static / continuous
+    assert 1.0 - 1e-12 <= got <= decode_ratio + 1e-12
