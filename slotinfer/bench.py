@@ -113,12 +113,16 @@ def mixed_workload(model, slots=16, n=128, seed=0):
     gens = [g for _, g in reqs]
     total = sum(gens)
     res = {"bound": schedule_steps(gens, slots)}
-    with slotinfer.Inferencer(model, slots=slots, max_len=1100, prefill_tokens=512) as inf:
+
+    def inferencer():  # the same engine for the prefill alone and for each mode
+        return slotinfer.Inferencer(model, slots=slots, max_len=1100, prefill_tokens=512)
+
+    with inferencer() as inf:
         t0 = time.perf_counter()
         [h.result() for h in [inf.submit(p, max_tokens=1, ignore_eos=True) for p in prompts]]
         res["prefill_s"] = time.perf_counter() - t0
     for mode in ("continuous", "static"):
-        with slotinfer.Inferencer(model, slots=slots, max_len=1100, prefill_tokens=512) as inf:
+        with inferencer() as inf:
             t0 = time.perf_counter()
             if mode == "continuous":
                 hs = [inf.submit(p, max_tokens=g, ignore_eos=True) for p, g in zip(prompts, gens)]
