@@ -1,14 +1,14 @@
 """Elementwise math for the CPU device policy.
 
 MLX's x86 CPU build evaluates ``exp`` one element at a time, each polynomial step a call
-into libm's ``fmaf``: about 15 ns per element on the 2-core EPYC of docs/benchmarks.md,
+into libm's ``fmaf``: 15-21 ns per element on the 2-core EPYC of docs/benchmarks.md,
 which makes exp the largest single cost of a prefill (softmax over L x L scores) and of a
 decode step's MLP activation.  :func:`exp` below is the same function written as MLX
 arithmetic -- Cody-Waite range reduction by ln 2, the degree-6 polynomial of the Cephes
 ``expf``, and 2^n built in the exponent bits -- which compiles into fused kernels without
-calls and runs about twice as fast, with a relative error under 1e-7 (``mx.exp`` here:
-4e-6).  Inputs below -87 give exactly 0 (so masked scores drop out exactly); inputs above 88
-are clamped; NaN stays NaN.
+calls: ~2.3 ns per element over a prefill's 8 x 512 x 512 scores, with a relative error
+under 1e-7 (``mx.exp`` here: 4e-6).  Inputs below -86.99 give exactly 0 (so masked scores
+drop out exactly); inputs above 88 are clamped; NaN stays NaN.
 
 GPU kernels have a fast ``exp`` of their own; :mod:`slotinfer.device` decides which is used.
 """
@@ -23,28 +23,45 @@ _ROUND = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds a float to 
 _P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
 
-def exp(x: mx.array) -> mx.array:
-    """``e ** x`` for float32 ``x`` (see the module docstring)."""
+def exp(x: mx.array, *, estrin: bool = True) -> mx.array:
+    """``e ** x`` for float32 ``x`` (see the module docstring).
+
+    Written for MLX's fusion, where each kernel is a full pass over memory and a value used
+    twice ends one: inputs whose 2^n would be 2^-126 or less (x below -86.99) get 0 exponent
+    bits, which are +0.0, instead of a last ``where`` on ``x``.  The polynomial is in
+    Estrin's form (depth 4) or Horner's (depth 12); they round alike but MLX splits them into
+    kernels differently, and which is faster depends on the graph around them: Estrin's in a
+    softmax (1.45x the earlier form over a prefill's scores), Horner's in the MLP's
+    activation (1.55x).  See docs/benchmarks.md.
+    """
     c = mx.clip(x, -87.0, 88.0)
     n = (c * _LOG2E + _ROUND) - _ROUND
     r = (c - n * _LN2_HI) - n * _LN2_LO
+    two_n = mx.view(mx.where(n < -125.5, 0, (n.astype(mx.int32) + 127) << 23), mx.float32)
+    if estrin:
+        r2 = r * r
+        p = ((_P[0] * r + _P[1]) * r2 + (_P[2] * r + _P[3])) * r2 + (_P[4] * r + _P[5])
+        return (p * r2 + r + 1.0) * two_n
     p = _P[0]
     for coef in _P[1:]:
         p = p * r + coef
-    p = p * (r * r) + r + 1.0
-    two_n = mx.view((n.astype(mx.int32) + 127) << 23, mx.float32)
-    return mx.where(x < -87.0, 0.0, p * two_n)
+    return (p * (r * r) + r + 1.0) * two_n
 
 
 def sigmoid(x: mx.array) -> mx.array:
-    return 1.0 / (1.0 + exp(-x))
+    return 1.0 / (1.0 + exp(-x, estrin=False))
 
 
 def silu(x: mx.array) -> mx.array:
-    return x / (1.0 + exp(-x))
+    return x / (1.0 + exp(-x, estrin=False))
+
+
+def shifted_exp(x: mx.array) -> mx.array:
+    """``exp(x - max(x))`` over the last axis: softmax before its division."""
+    return exp(x - mx.max(x, axis=-1, keepdims=True))
 
 
 def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis; rows whose entries are all ``-inf`` are not expected."""
-    e = exp(x - mx.max(x, axis=-1, keepdims=True))
+    e = shifted_exp(x)
     return e / mx.sum(e, axis=-1, keepdims=True)

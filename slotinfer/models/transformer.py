@@ -142,8 +142,16 @@ def attend(q, k, v, scale: float, mask, softcap: float | None, own_math: bool = 
     if mask is not None:
         mask = mask if mask.ndim < 4 else mx.expand_dims(mask, 2)
         scores = mx.where(mask, scores, -mx.inf)
+    v = mx.expand_dims(v, 2)
+    if own_math and L > 1 and S >= _SUM_BY_PRODUCT:
+        # A prefill's scores are L x S per head: each elementwise pass over them costs more than
+        # a product.  The unnormalized weights go through the value product as they are, and the
+        # row sums come from one more product with a column of ones; the division then acts on
+        # L x D outputs instead of L x S weights.
+        e = _shifted_exp(scores)
+        return ((e @ v) / (e @ mx.ones((S, 1), dtype=e.dtype))).reshape(B, H, L, D)
     probs = _softmax(scores) if own_math else mx.softmax(scores, axis=-1, precise=True)
-    return (probs @ mx.expand_dims(v, 2)).reshape(B, H, L, D)
+    return (probs @ v).reshape(B, H, L, D)
 
 
 class Attention(nn.Module):
@@ -208,6 +216,8 @@ def _own_gelu_tanh_mul(g, u):  # 0.5 (1 + tanh(a)) = sigmoid(2a)
 
 
 _softmax = ThreadCompiled(fastmath.softmax)
+_shifted_exp = ThreadCompiled(fastmath.shifted_exp)
+_SUM_BY_PRODUCT = 128  # key span from which a prefill's softmax sums come from a product
 
 
 class MLP(nn.Module):
