@@ -122,9 +122,17 @@ class Engine:
             self._process(previous)
         self.counters["step_s"] += time.perf_counter() - t0
 
+    def step_or_fail(self):
+        """One :meth:`step`; if the device step fails, the items in flight end with the cause
+        (:meth:`fail_all`) and the engine goes on serving."""
+        try:
+            self.step()
+        except Exception as e:
+            self.fail_all(e)
+
     def run_until_done(self):
         while self.busy:
-            self.step()
+            self.step_or_fail()
 
     def _occupancy_changed(self, admitted):
         self.rows.set([(it.params, it.seed) if it else None for it in self.items.by_slot])

@@ -260,10 +260,7 @@ class Inferencer:
                     item.handle.cancel()
             if not engine.busy:
                 continue
-            try:
-                engine.step()
-            except Exception as e:  # a device failure ends the items in flight, not the worker
-                engine.fail_all(e)
+            engine.step_or_fail()  # a device failure ends the items in flight, not the worker
 
     def _take(self, block: bool) -> bool:
         """Move requests from the inbox to the engine; True when the worker should exit."""

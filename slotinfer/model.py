@@ -208,11 +208,7 @@ def batch_generate(model: Model, prompts, *, slots: int = 32, prefill_tokens: in
                 continue
             engine.add(item)
             handles[i] = item.handle
-        while engine.busy:
-            try:
-                engine.step()
-            except Exception as e:  # a device failure ends every prompt still running with the cause
-                engine.fail_all(e)
+        engine.run_until_done()  # a device failure ends every prompt still running with the cause
         for i, h in handles.items():
             try:
                 c = h.result(0)

@@ -11,7 +11,7 @@ import pytest
 import slotinfer
 from slotinfer.cache import SequenceCache
 from slotinfer.engine import Engine
-from slotinfer.errors import EngineClosed, InvalidRequestError, PromptTooLongError, QueueFull
+from slotinfer.errors import EngineClosed, EngineError, InvalidRequestError, PromptTooLongError, QueueFull
 from slotinfer.testing import FAMILIES
 
 PROMPTS = [
@@ -285,3 +285,33 @@ def test_memory_does_not_grow_over_batches(models, max_tokens):
 def test_engine_rejects_bad_construction(models):
     with pytest.raises(ValueError):
         Engine(models["qwen3"], slots=0, max_len=16)
+
+
+def test_a_failed_step_ends_the_items_in_flight_and_the_engine_goes_on(models):
+    """run_until_done (the path of batch_generate and, a step at a time, of the worker): a
+    device step that raises ends every item in flight with the cause, and nothing hangs."""
+    m = models["qwen3"]
+    eng = Engine(m, slots=2, max_len=64)
+    items = [eng.make_item(p, max_tokens=6, ignore_eos=True) for p in PROMPTS[:3]]
+    for it in items:
+        eng.add(it)
+    real = eng.decoder.step
+    calls = []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected device failure")
+        return real(*args, **kw)
+
+    eng.decoder.step = failing
+    eng.run_until_done()
+    assert not eng.busy
+    for it in items:
+        with pytest.raises(EngineError, match="injected device failure"):
+            it.handle.result(timeout=0)
+    eng.decoder.step = real
+    item = eng.make_item(PROMPTS[0], max_tokens=4)
+    eng.add(item)
+    eng.run_until_done()
+    assert item.handle.result(0).tokens == m.generate(PROMPTS[0], max_tokens=4).tokens

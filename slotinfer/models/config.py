@@ -76,10 +76,7 @@ class ModelConfig:
 def _need(cfg: dict, key: str, kind=int):
     if key not in cfg or cfg[key] is None:
         raise ConfigError(f"config.json has no {key!r}; it is required for model_type {cfg.get('model_type')!r}")
-    try:
-        return kind(cfg[key])
-    except (TypeError, ValueError):
-        raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {cfg[key]!r}") from None
+    return _as(cfg[key], key, kind)
 
 
 def _as(value, key: str, kind):
