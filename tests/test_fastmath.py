@@ -158,3 +158,23 @@ def test_prefill_attention_whose_sums_come_from_a_product_matches_mlx_kernel(L, 
         ours = attend(q, k, v, 0.25, m, None, own_math=True)
         ref = attend(q, k, v, 0.25, m, None, own_math=False)
         assert np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@given(arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 200)),
+              elements=st.floats(-1e4, 1e4, **F32)),
+       st.booleans(), st.sampled_from([1e-6, 1e-5]), st.integers(0, 2**31 - 1))
+def test_rms_norm_is_mlx_rms_norm_bit_for_bit_eager_and_compiled(x, weighted, eps, seed):
+    # The CPU policy's norm only moves a kernel boundary; its arithmetic is MLX's fallback's.
+    x = mx.array(x)
+    w = mx.random.normal((x.shape[-1],), key=mx.random.key(seed)) if weighted else None
+    want = np.asarray(mx.fast.rms_norm(x, w, eps))
+    for fn in (fastmath.rms_norm, mx.compile(fastmath.rms_norm)):
+        assert np.array_equal(np.asarray(fn(x, w, eps)), want)
+
+
+def test_rms_norm_of_other_dtypes_is_mlx_rms_norm():
+    x = mx.random.normal((3, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    w = mx.random.normal((64,), key=mx.random.key(2)).astype(mx.bfloat16)
+    got, want = fastmath.rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6)
+    assert got.dtype == mx.bfloat16 and np.array_equal(np.asarray(got.astype(mx.float32)),
+                                                      np.asarray(want.astype(mx.float32)))

@@ -65,3 +65,22 @@ def softmax(x: mx.array) -> mx.array:
     """Softmax over the last axis; rows whose entries are all ``-inf`` are not expected."""
     e = shifted_exp(x)
     return e / mx.sum(e, axis=-1, keepdims=True)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis, as MLX's CPU fallback computes it.
+
+    In a compiled graph MLX fuses the per-row ``rsqrt`` into the kernel that scales ``x``,
+    which then evaluates it once per *element* (a scalar square root and division each):
+    ~7 ns per element, the costliest elementwise kernel of a decode step.  Passing the
+    per-row scale through ``view`` ends a kernel there (see :func:`exp`), so it is computed
+    once per row and the scaling kernel only multiplies: ~2x faster, with the same result
+    bit for bit.  Other dtypes than float32 (which MLX normalizes in float32) go to
+    ``mx.fast.rms_norm``.
+    """
+    if x.dtype != mx.float32:
+        return mx.fast.rms_norm(x, weight, eps)
+    scale = mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
+    scale = mx.view(mx.view(scale, mx.int32), mx.float32)
+    y = x * scale
+    return y if weight is None else y * weight

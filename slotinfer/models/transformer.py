@@ -33,12 +33,15 @@ from .config import ModelConfig, Rope
 class RMSNorm(nn.Module):
     """RMSNorm; Gemma's (1 + w) offset is folded into ``weight`` by the loader."""
 
-    def __init__(self, dims: int, eps: float):
+    def __init__(self, dims: int, eps: float, own_math: bool = False):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps = eps
+        self.own_math = own_math
 
     def __call__(self, x):
+        if self.own_math:
+            return fastmath.rms_norm(x, self.weight, self.eps)
         return mx.fast.rms_norm(x, self.weight, self.eps)
 
 
@@ -47,12 +50,15 @@ class HeadNorm(nn.Module):
     (Qwen 3, Gemma 3) normed as one tensor.  The loader lays the checkpoint's ``q_norm`` weight
     on the query heads and ``k_norm``'s on the key heads."""
 
-    def __init__(self, heads: int, dims: int, eps: float):
+    def __init__(self, heads: int, dims: int, eps: float, own_math: bool = False):
         super().__init__()
         self.weight = mx.ones((heads, dims))
         self.eps = eps
+        self.own_math = own_math
 
     def __call__(self, x):
+        if self.own_math:
+            return fastmath.rms_norm(x, None, self.eps) * self.weight
         return mx.fast.rms_norm(x, None, self.eps) * self.weight
 
 
@@ -165,7 +171,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attn_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         heads = cfg.num_heads + cfg.num_kv_heads
-        self.qk_norm = HeadNorm(heads, cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qk_norm = HeadNorm(heads, cfg.head_dim, cfg.rms_norm_eps, own_math) if cfg.qk_norm else None
         self.rope = RoPE(cfg.rope_for(layer), cfg.head_dim)
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
@@ -241,12 +247,12 @@ class Block(nn.Module):
         eps = cfg.rms_norm_eps
         self.self_attn = Attention(cfg, layer, own_math, split)
         self.mlp = MLP(cfg, own_math)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, own_math)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, own_math)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, own_math)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, own_math)
 
     def __call__(self, x, ctx):
         if self.sandwich:  # Gemma: norm around both sub-blocks
@@ -261,7 +267,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [Block(cfg, i, own_math, split) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, own_math)
 
 
 class Transformer(nn.Module):
