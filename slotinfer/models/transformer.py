@@ -30,6 +30,11 @@ from . import fastmath
 from .config import ModelConfig, Rope
 
 
+def _rms_norm_of(own_math: bool):
+    """The CPU policy's RMSNorm (its per-row scale computed once per row) or MLX's fused one."""
+    return fastmath.rms_norm if own_math else mx.fast.rms_norm
+
+
 class RMSNorm(nn.Module):
     """RMSNorm; Gemma's (1 + w) offset is folded into ``weight`` by the loader."""
 
@@ -37,12 +42,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps = eps
-        self.own_math = own_math
+        self._rms_norm = _rms_norm_of(own_math)
 
     def __call__(self, x):
-        if self.own_math:
-            return fastmath.rms_norm(x, self.weight, self.eps)
-        return mx.fast.rms_norm(x, self.weight, self.eps)
+        return self._rms_norm(x, self.weight, self.eps)
 
 
 class HeadNorm(nn.Module):
@@ -54,12 +57,10 @@ class HeadNorm(nn.Module):
         super().__init__()
         self.weight = mx.ones((heads, dims))
         self.eps = eps
-        self.own_math = own_math
+        self._rms_norm = _rms_norm_of(own_math)
 
     def __call__(self, x):
-        if self.own_math:
-            return fastmath.rms_norm(x, None, self.eps) * self.weight
-        return mx.fast.rms_norm(x, None, self.eps) * self.weight
+        return self._rms_norm(x, None, self.eps) * self.weight
 
 
 class RoPE(nn.Module):
