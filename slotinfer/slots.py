@@ -31,22 +31,28 @@ class SlotTable:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
     def flat_index(self, rows, positions):
-        """Row-major index of (row, head, position) into a layer flattened to [b*heads*capacity, head_dim].
+        """Offsets of every element that (row, position) writes in a layer flattened to 1-D.
 
-        ``rows`` is [n], ``positions`` [n, L]; the result is [n, heads, L].  One
-        advanced index keeps the scatter a single O(n*L) in-place write.
+        ``rows`` is [n], ``positions`` [n, L]; the result is [n * heads * L * head_dim],
+        in the order of a ``[n, heads, L, head_dim]`` update (int64 only when a layer
+        holds 2**31 elements or more).  One index per element lets :func:`scatter`
+        write with ``put_along_axis``, which MLX's CPU backend runs as one flat loop,
+        where a scatter of rows steps two general iterators per element (~3.5x slower
+        for a decode step's K/V).
         """
-        heads = mx.arange(self.kv_heads)
-        base = (rows[:, None] * self.kv_heads + heads[None]) * self.capacity  # [n, heads]
-        return base[:, :, None] + positions[:, None, :]
+        h, cap, d = self.kv_heads, self.capacity, self.head_dim
+        dt = mx.int32 if self.slots * h * cap * d < 2**31 else mx.int64
+        heads = mx.arange(h, dtype=dt)
+        base = (rows.astype(dt)[:, None] * h + heads[None]) * cap  # [n, heads]
+        cols = (base[:, :, None] + positions.astype(dt)[:, None, :]) * d  # [n, heads, L]
+        return (cols[..., None] + mx.arange(d, dtype=dt)).reshape(-1)
 
 
 def scatter(cache, index, new):
-    """Write ``new`` [n, heads, L, dim] into ``cache`` at ``index`` [n, heads, L]; returns the updated cache."""
-    b, h, cap, d = cache.shape
-    flat = cache.reshape(b * h * cap, d)
-    flat[index] = new
-    return flat.reshape(b, h, cap, d)
+    """Write ``new`` [n, heads, L, dim] into ``cache`` at ``index`` (from :meth:`SlotTable.flat_index`);
+    returns the updated cache, written in place when nothing else holds ``cache``."""
+    flat = mx.put_along_axis(cache.reshape(-1), index, new.reshape(-1), axis=0)
+    return flat.reshape(cache.shape)
 
 
 class DecodeView:
