@@ -9,6 +9,7 @@ library, as it would with OpenBLAS preloaded (``--mlx-lm-own-loops`` lets it use
 
     python benchmarks/bench_engine.py                 # needs `pip install mlx-lm` for the comparison
     python benchmarks/bench_engine.py --slots 32 --repeats 3
+    python benchmarks/bench_engine.py --slots 32 --repeats 4 --each   # every repeat printed too
 """
 
 import argparse
@@ -45,6 +46,7 @@ def main():
     ap.add_argument("--no-mlx-lm", action="store_true")
     ap.add_argument("--mlx-lm-own-loops", action="store_true",
                     help="let mlx-lm's matmuls use slotinfer's own loops too (default: the plain library)")
+    ap.add_argument("--each", action="store_true", help="print every repeat, not only the medians")
     args = ap.parse_args()
 
     path = bench_model_path()
@@ -71,6 +73,9 @@ def main():
                 was = set_own_products(args.mlx_lm_own_loops)
                 theirs.append(mlx_lm_tokens_per_s(lm, prompts, args.gen_tokens))
                 set_own_products(was)
+            if args.each:
+                them = f"{theirs[-1]:.1f}" if theirs else "-"
+                print(f"     repeat {len(ours)}: slotinfer {ours[-1]:.1f}, mlx-lm {them}", flush=True)
         a = statistics.median(ours)
         b = statistics.median(theirs) if theirs else float("nan")
         print(f"{slots:>4} {a:>16.1f} {b:>17.1f} {a / b:>6.2f}", flush=True)
