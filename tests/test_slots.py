@@ -69,14 +69,12 @@ def test_scatter_takes_a_transposed_update():
 
 def test_offsets_widen_to_int64_only_past_int32():
     """A layer of 2**31 elements or more needs 64-bit offsets; smaller ones keep 32-bit."""
-    def index_dtype(slots, heads, capacity, dim):
+    def last_offsets(slots, heads, capacity, dim):
         t = SlotTable.__new__(SlotTable)  # the shape only: no K/V allocated
         t.slots, t.kv_heads, t.capacity, t.head_dim = slots, heads, capacity, dim
-        return t.flat_index(mx.array([slots - 1]), mx.array([[capacity - 1]])).dtype
+        return t.flat_index(mx.array([slots - 1]), mx.array([[capacity - 1]]))
 
-    assert index_dtype(64, 8, 32768, 128) == mx.int64  # 2**31 elements exactly
-    assert index_dtype(64, 8, 32767, 128) == mx.int32
-    t = SlotTable.__new__(SlotTable)
-    t.slots, t.kv_heads, t.capacity, t.head_dim = 64, 8, 40000, 128
-    last = t.flat_index(mx.array([63]), mx.array([[39999]]))
+    assert last_offsets(64, 8, 32768, 128).dtype == mx.int64  # 2**31 elements exactly
+    assert last_offsets(64, 8, 32767, 128).dtype == mx.int32
+    last = last_offsets(64, 8, 40000, 128)
     assert int(last[-1].item()) == 64 * 8 * 40000 * 128 - 1  # no wrap-around
