@@ -105,6 +105,21 @@ def attention_split(device=None) -> int:
     return min(_blas.usable_cores(), 8)
 
 
+def prefill_by_layer(device=None) -> int:
+    """From how many tokens (rows x width) on a prefill call is evaluated layer by layer; 0: never.
+
+    CPU: 256.  MLX allocates each op's output when the op is queued, ahead of the thread that
+    computes it, so a prefill issued as one lazy graph holds several layers' activations at
+    once: a 32 x 32-token prefill of a 0.6B model peaked 846 MB over the weights and K/V
+    table, against 233 MB layer by layer, at the same speed within this machine's noise
+    (0.97-1.07x); the first such prefill of a process, which faults all of that memory in,
+    8.1-8.3 s against 9.1-9.2 (docs/benchmarks.md).  Smaller calls stay one graph (at 64-128
+    tokens the wait at each layer cost 0-3% and saved a few MB).  GPU: never -- a wait per
+    layer would leave the device idle while the host queues the next layer's kernels.
+    """
+    return 256 if _kind(device) == "cpu" else 0
+
+
 _MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 _allocator_tuned = None
 
@@ -152,5 +167,6 @@ def describe() -> dict:
         "compute_dtype_for_bfloat16": dtype_name(compute_dtype(mx.bfloat16, device)),
         "keep_quantized": keep_quantized(device),
         "retain_freed_memory": bool(_allocator_tuned),
+        "prefill_by_layer_from_tokens": prefill_by_layer(device),
         "cpu_count": os.cpu_count(),
     }

@@ -266,6 +266,7 @@ def test_describe():
     assert d["compute_dtype_for_bfloat16"] == ("float32" if d["device"] == "cpu" else "bfloat16")
     assert d["keep_quantized"] is (d["device"] == "gpu")
     assert isinstance(d["retain_freed_memory"], bool)
+    assert (d["prefill_by_layer_from_tokens"] > 0) is (d["device"] == "cpu")  # GPU: one graph
     assert d["cpu_count"] == os.cpu_count()
     json.dumps(d)  # loggable as is
 

@@ -315,3 +315,20 @@ def test_a_failed_step_ends_the_items_in_flight_and_the_engine_goes_on(models):
     eng.add(item)
     eng.run_until_done()
     assert item.handle.result(0).tokens == m.generate(PROMPTS[0], max_tokens=4).tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_evaluated_layer_by_layer_gives_the_same_tokens(models, family):
+    """The CPU policy evaluates large prefill calls layer by layer (``device.prefill_by_layer``),
+    which bounds the memory they hold: forced on for every call (prompts in chunks too, which
+    attend to what their slot holds) and off, the engine's tokens are ``Model.generate``'s."""
+    m = models[family]
+    refs = [m.generate(p, max_tokens=6, ignore_eos=True).tokens for p in PROMPTS]
+    for by_layer in (1, 0):
+        eng = Engine(m, slots=3, max_len=128, prefill_tokens=16)
+        eng.encoder.by_layer = by_layer
+        items = [eng.make_item(p, max_tokens=6, ignore_eos=True) for p in PROMPTS]
+        for it in items:
+            eng.add(it)
+        eng.run_until_done()
+        assert [it.handle.result(timeout=0).tokens for it in items] == refs

@@ -294,10 +294,14 @@ class Transformer(nn.Module):
             h = h * mx.array(self.config.embed_scale, dtype=h.dtype)
         return h
 
-    def __call__(self, tokens, ctx):
+    def __call__(self, tokens, ctx, after_layer=None):
+        """Final hidden states of ``tokens`` [B, L]; ``after_layer(i, h)``, when given, runs after
+        layer ``i`` (an eager forward evaluates as it goes through it: see ``Encoder.run``)."""
         h = self.embed(tokens)
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             h = layer(h, ctx)
+            if after_layer is not None:
+                after_layer(i, h)
         return self.model.norm(h)
 
     def head(self, h):
