@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import device
+from .models.transformer import layer_by_layer
 from .sampling import logprobs_of, penalize, sample
 from .slots import PrefillView, SlotTable
 
@@ -33,11 +34,6 @@ class Encoder:
         self.net, self.table, self.budget = net, table, budget
         # calls of at least this many tokens are evaluated layer by layer (0: never)
         self.by_layer = device.prefill_by_layer() if by_layer is None else by_layer
-
-    def _eval_layer(self, layer, h):
-        """Evaluate layer ``layer``'s output and its K/V writes before the next layer is queued."""
-        t = self.table
-        mx.eval(h, t.keys[layer], t.values[layer])
 
     def plan(self, pending) -> list[tuple[object, Chunk]]:
         """Pick items (FIFO) and their next chunks so the padded call stays within the token budget."""
@@ -66,7 +62,7 @@ class Encoder:
         fresh = all(c.start == 0 for c in chunks)
         span = max(c.start + len(c.tokens) for c in chunks)
         view = PrefillView(self.table, rows, starts, lens, width, span, fresh)
-        h = self.net(tokens, view, self._eval_layer if 0 < self.by_layer <= len(chunks) * width else None)
+        h = self.net(tokens, view, layer_by_layer(self.table) if 0 < self.by_layer <= len(chunks) * width else None)
         done = [i for i, c in enumerate(chunks) if c.last]
         if not done:
             return None

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import device
 from .cache import SequenceCache
 from .errors import InvalidRequestError, PromptTooLongError
 from .models import ModelConfig, Transformer
+from .models.transformer import layer_by_layer
 from .sampling import SamplingParams, penalize, sample
 from .types import Completion
 
@@ -116,7 +118,8 @@ class Model:
         budget = min(max_tokens, self.context_length - len(ids))
 
         cache = SequenceCache(self.config.num_layers)
-        h = self.net(mx.array([ids]), cache)
+        by_layer = device.prefill_by_layer()
+        h = self.net(mx.array([ids]), cache, layer_by_layer(cache) if 0 < by_layer <= len(ids) else None)
         cache.advance(len(ids))
         seen = mx.zeros((1, self.config.vocab_size), dtype=mx.bool_)
         seen[0, mx.array(ids)] = True

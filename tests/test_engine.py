@@ -332,3 +332,17 @@ def test_prefill_evaluated_layer_by_layer_gives_the_same_tokens(models, family):
             eng.add(it)
         eng.run_until_done()
         assert [it.handle.result(timeout=0).tokens for it in items] == refs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_long_prompt_generates_the_same_layer_by_layer(models, family, monkeypatch):
+    """``Model.generate`` evaluates a prompt of ``device.prefill_by_layer()`` tokens or more layer
+    by layer (bounding the memory its forward holds): the tokens are those of the prompt's
+    forward issued whole, also past Gemma's sliding window (16 in the test models)."""
+    m = models[family]
+    ids = [(7 * i) % 200 + 3 for i in range(300)]
+    got = {}
+    for threshold in (len(ids), 0):  # on every device, whatever its policy
+        monkeypatch.setattr(slotinfer.device, "prefill_by_layer", lambda device=None, t=threshold: t)
+        got[threshold] = m.generate(ids, max_tokens=5, ignore_eos=True).tokens
+    assert got[len(ids)] == got[0]

@@ -271,6 +271,16 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, own_math)
 
 
+def layer_by_layer(kv):
+    """An ``after_layer`` for :meth:`Transformer.__call__` that evaluates each layer's output and
+    its K/V writes before the next layer is queued; ``kv`` holds the ``keys`` and ``values`` lists
+    written to (the slot table, a :class:`~slotinfer.cache.SequenceCache`), read at each call.
+    MLX allocates an op's output when the op is queued, ahead of the thread that computes it, so
+    an eager forward issued whole holds several layers' activations at once (see
+    :func:`slotinfer.device.prefill_by_layer`)."""
+    return lambda i, h: mx.eval(h, kv.keys[i], kv.values[i])
+
+
 class Transformer(nn.Module):
     """Token ids -> final hidden states; :meth:`head` turns hidden states into logits.
 
@@ -296,7 +306,7 @@ class Transformer(nn.Module):
 
     def __call__(self, tokens, ctx, after_layer=None):
         """Final hidden states of ``tokens`` [B, L]; ``after_layer(i, h)``, when given, runs after
-        layer ``i`` (an eager forward evaluates as it goes through it: see ``Encoder.run``)."""
+        layer ``i`` (an eager forward evaluates as it goes through it: :func:`layer_by_layer`)."""
         h = self.embed(tokens)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, ctx)
