@@ -62,7 +62,7 @@ class Encoder:
         fresh = all(c.start == 0 for c in chunks)
         span = max(c.start + len(c.tokens) for c in chunks)
         view = PrefillView(self.table, rows, starts, lens, width, span, fresh)
-        h = self.net(tokens, view, layer_by_layer(self.table) if 0 < self.by_layer <= len(chunks) * width else None)
+        h = self.net(tokens, view, layer_by_layer(self.table, len(chunks) * width, self.by_layer))
         done = [i for i, c in enumerate(chunks) if c.last]
         if not done:
             return None

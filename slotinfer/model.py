@@ -118,8 +118,7 @@ class Model:
         budget = min(max_tokens, self.context_length - len(ids))
 
         cache = SequenceCache(self.config.num_layers)
-        by_layer = device.prefill_by_layer()
-        h = self.net(mx.array([ids]), cache, layer_by_layer(cache) if 0 < by_layer <= len(ids) else None)
+        h = self.net(mx.array([ids]), cache, layer_by_layer(cache, len(ids), device.prefill_by_layer()))
         cache.advance(len(ids))
         seen = mx.zeros((1, self.config.vocab_size), dtype=mx.bool_)
         seen[0, mx.array(ids)] = True

@@ -271,13 +271,16 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, own_math)
 
 
-def layer_by_layer(kv):
-    """An ``after_layer`` for :meth:`Transformer.__call__` that evaluates each layer's output and
-    its K/V writes before the next layer is queued; ``kv`` holds the ``keys`` and ``values`` lists
-    written to (the slot table, a :class:`~slotinfer.cache.SequenceCache`), read at each call.
-    MLX allocates an op's output when the op is queued, ahead of the thread that computes it, so
-    an eager forward issued whole holds several layers' activations at once (see
+def layer_by_layer(kv, tokens: int, threshold: int):
+    """An ``after_layer`` for :meth:`Transformer.__call__` when a forward of ``tokens`` tokens
+    reaches ``threshold`` (> 0), else None: it evaluates each layer's output and its K/V writes
+    before the next layer is queued.  ``kv`` holds the ``keys`` and ``values`` lists written to
+    (the slot table, a :class:`~slotinfer.cache.SequenceCache`), read at each call.  MLX
+    allocates an op's output when the op is queued, ahead of the thread that computes it, so an
+    eager forward issued whole holds several layers' activations at once (see
     :func:`slotinfer.device.prefill_by_layer`)."""
+    if not 0 < threshold <= tokens:
+        return None
     return lambda i, h: mx.eval(h, kv.keys[i], kv.values[i])
 
 
