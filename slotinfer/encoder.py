@@ -30,10 +30,9 @@ class Chunk:
 
 
 class Encoder:
-    def __init__(self, net, table: SlotTable, budget: int, by_layer: int | None = None):
+    def __init__(self, net, table: SlotTable, budget: int):
         self.net, self.table, self.budget = net, table, budget
-        # calls of at least this many tokens are evaluated layer by layer (0: never)
-        self.by_layer = device.prefill_by_layer() if by_layer is None else by_layer
+        self.by_layer = device.prefill_by_layer()  # calls of this many tokens on go layer by layer (0: never)
 
     def plan(self, pending) -> list[tuple[object, Chunk]]:
         """Pick items (FIFO) and their next chunks so the padded call stays within the token budget."""
