@@ -6,6 +6,7 @@
 
 A background thread owns the slot table and runs the engine loop; producers on any
 thread (or an asyncio loop) submit requests and get :class:`Handle` objects back.
+Worker threads outlive their Inferencer and serve the next one (see :class:`_Workers`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -35,6 +37,49 @@ def _close_live():
     """A program that exits without closing its Inferencer still ends every request (cancelled)."""
     for inf in list(_live):
         inf.close(drain=False, timeout=10)
+
+
+class _Workers:
+    """The threads that run Inferencers' engine loops, each kept for the next Inferencer.
+
+    MLX gives every thread that runs ops streams of its own (the worker's, and the CPU
+    policy's attention streams), each served by a thread that lives as long as the process.
+    A new thread per Inferencer would leave those behind at every close; reusing the
+    workers keeps them to one set per Inferencer open at a time.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []
+
+    def run(self, fn) -> threading.Event:
+        """Run ``fn()`` on an idle worker (or a new one); the event is set once it returned."""
+        done = threading.Event()
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="slotinfer-worker", daemon=True).start()
+        inbox.put((fn, done))
+        return done
+
+    def _serve(self, inbox):
+        stream = mx.new_stream(mx.default_device())
+        while True:
+            fn, done = inbox.get()
+            try:
+                with mx.stream(stream):
+                    fn()
+            except BaseException:  # a bug in the loop: reported, and the worker serves on
+                sys.excepthook(*sys.exc_info())
+            finally:
+                mx.synchronize(stream)  # no device work of one Inferencer outlives its run
+                with self._lock:
+                    self._idle.append(inbox)
+                done.set()
+
+
+_workers = _Workers()
 
 
 @dataclass
@@ -70,7 +115,8 @@ class Inferencer:
         self._cv = threading.Condition()
         self._closed = False
         self._cancel_all = False
-        self._thread: threading.Thread | None = None
+        self._done: threading.Event | None = None  # set when the worker left the loop
+        self._worker: threading.Thread | None = None  # the thread running the loop
         if start:
             self.start()
 
@@ -78,9 +124,8 @@ class Inferencer:
 
     def start(self):
         with self._cv:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="slotinfer-worker", daemon=True)
-                self._thread.start()
+            if self._done is None:
+                self._done = _workers.run(self._run)
                 _live.add(self)
         return self
 
@@ -103,8 +148,8 @@ class Inferencer:
                 self._cancel_all = True
             self._cv.notify_all()
         self.start()
-        if self._thread is not threading.current_thread():  # not from a callback on the worker
-            self._thread.join(timeout)
+        if self._worker is not threading.current_thread():  # not from a callback on the worker
+            self._done.wait(timeout)
 
     # -- submitting -------------------------------------------------------------
 
@@ -241,14 +286,8 @@ class Inferencer:
     # -- the worker -------------------------------------------------------------
 
     def _run(self):
-        # MLX streams belong to the thread that made them: the worker gets its own, and
-        # synchronizes it before leaving so no device work outlives the thread.
-        stream = mx.new_stream(mx.default_device())
-        with mx.stream(stream):
-            try:
-                self._loop()
-            finally:
-                mx.synchronize(stream)
+        self._worker = threading.current_thread()
+        self._loop()
 
     def _loop(self):
         engine = self.engine

@@ -2,6 +2,7 @@
 contract, and bad parameters that must fail their own request only -- never another's."""
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -285,3 +286,56 @@ def test_a_model_used_first_by_the_worker_thread(model_dir, family):
     with slotinfer.Inferencer(m, slots=2, max_len=64) as inf:
         got = inf.submit("hello there", max_tokens=6, ignore_eos=True).result(timeout=60)
     assert got.tokens == m.generate("hello there", max_tokens=6, ignore_eos=True).tokens
+
+
+def _os_threads() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+
+def _worker_of(inf) -> threading.Thread:
+    seen = []
+    inf.submit("hi", max_tokens=2, ignore_eos=True,
+               on_token=lambda e: seen.append(threading.current_thread())).result(timeout=60)
+    return seen[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="counts threads through Linux's /proc")
+def test_closed_inferencers_leave_no_threads_behind(models):
+    """MLX serves every stream with a thread that lives as long as the process, and each thread
+    that runs ops gets streams of its own: a program that opens and closes Inferencers (one per
+    job, say) must not grow by a few threads at each one."""
+    m = models["qwen3"]
+
+    def one():
+        with slotinfer.Inferencer(m, slots=2, max_len=64) as inf:
+            inf.generate("hi", max_tokens=3, ignore_eos=True)
+
+    one()
+    before = _os_threads()
+    for _ in range(4):
+        one()
+    assert _os_threads() <= before
+
+
+def test_a_closed_inferencers_worker_serves_the_next_and_open_ones_never_share(models):
+    m = models["qwen3"]
+    with slotinfer.Inferencer(m, slots=1, max_len=64) as a, slotinfer.Inferencer(m, slots=1, max_len=64) as b:
+        wa, wb = _worker_of(a), _worker_of(b)
+        assert wa is not wb and wa is not threading.current_thread()
+    with slotinfer.Inferencer(m, slots=1, max_len=64) as c:
+        assert _worker_of(c) in (wa, wb)
+
+
+def test_a_loop_that_raises_is_reported_and_its_worker_serves_on(models, monkeypatch):
+    m = models["qwen3"]
+    reported = []
+    monkeypatch.setattr("sys.excepthook", lambda *exc: reported.append(exc[1]))
+    broken = slotinfer.Inferencer(m, slots=1, max_len=64, start=False)
+    monkeypatch.setattr(broken, "_loop", lambda: 1 / 0)
+    broken.start()
+    _in_thread(lambda: broken.close(timeout=60))
+    assert broken._done.is_set() and isinstance(reported[0], ZeroDivisionError)
+    with slotinfer.Inferencer(m, slots=1, max_len=64) as inf:
+        assert inf.generate("hi", max_tokens=3, ignore_eos=True).tokens == \
+            m.generate("hi", max_tokens=3, ignore_eos=True).tokens
