@@ -107,7 +107,7 @@ def mixed_workload(model, slots=16, n=128, seed=0):
     from the decode-only one towards 1: see :func:`diluted_ratio`.
     """
     rng = random.Random(seed)
-    reqs = [(rng.randint(16, 512), rng.randint(16, 512)) for _ in range(n)]
+    reqs = mixed_requests(n, rng)
     vocab = model.tokenizer.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(p)] for p, _ in reqs]
     gens = [g for _, g in reqs]
@@ -117,10 +117,7 @@ def mixed_workload(model, slots=16, n=128, seed=0):
     def inferencer():  # the same engine for the prefill alone and for each mode
         return slotinfer.Inferencer(model, slots=slots, max_len=1100, prefill_tokens=512)
 
-    with inferencer() as inf:
-        t0 = time.perf_counter()
-        [h.result() for h in [inf.submit(p, max_tokens=1, ignore_eos=True) for p in prompts]]
-        res["prefill_s"] = time.perf_counter() - t0
+    res["prefill_s"] = prefill_alone_s(inferencer, prompts)
     for mode in ("continuous", "static"):
         with inferencer() as inf:
             t0 = time.perf_counter()
@@ -140,6 +137,20 @@ def mixed_workload(model, slots=16, n=128, seed=0):
     return res
 
 
+def mixed_requests(n: int, rng: random.Random) -> list[tuple[int, int]]:
+    """The mixed workload's (prompt tokens, output tokens) pairs, each uniform in 16..512."""
+    return [(rng.randint(16, 512), rng.randint(16, 512)) for _ in range(n)]
+
+
+def prefill_alone_s(inferencer, prompts) -> float:
+    """Wall time of the prompts' prefill alone: every request with ``max_tokens=1`` on a fresh
+    ``inferencer()``."""
+    with inferencer() as inf:
+        t0 = time.perf_counter()
+        [h.result() for h in [inf.submit(p, max_tokens=1, ignore_eos=True) for p in prompts]]
+        return time.perf_counter() - t0
+
+
 def diluted_ratio(decode_ratio: float, prefill_share: float) -> float:
     """Throughput ratio of two modes whose decode times differ by ``decode_ratio`` (static /
     continuous) and which share the same prefill, ``prefill_share`` of the continuous mode's
@@ -157,6 +168,30 @@ def schedule_steps(gens: list[int], slots: int) -> dict:
     for g in gens:
         heapq.heapreplace(free, free[0] + g)
     return {"static": static, "continuous": max(free)}
+
+
+def schedule_spans(reqs: list[tuple[int, int]], slots: int) -> dict[str, list[int]]:
+    """Replay both schedules of :func:`schedule_steps` step by step and give each decode step's
+    attention span: the longest live row's length (prompt, tokens decoded so far and the new
+    one), which sets what the Decoder's step computes for every slot.
+
+    ``reqs`` are (prompt tokens, output tokens) pairs; an item holds its slot for as many
+    steps as it has output tokens.  A step's cost in the engine is close to a constant plus
+    a term in this span (idle rows compute too), so these lists turn step times measured at
+    a few spans into each schedule's decode time: ``benchmarks/bench_mixed_bound.py``.
+    """
+    out = {}
+    for mode in ("continuous", "static"):
+        queue, live, spans = list(reqs), [], []  # live: [prompt, remaining, decoded]
+        while queue or live:
+            if mode == "continuous" or not live:
+                while queue and len(live) < slots:
+                    p, g = queue.pop(0)
+                    live.append([p, g, 0])
+            spans.append(max(p + d + 1 for p, _, d in live))
+            live = [[p, g - 1, d + 1] for p, g, d in live if g > 1]
+        out[mode] = spans
+    return out
 
 
 def run(args) -> int:

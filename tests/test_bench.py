@@ -3,9 +3,10 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slotinfer.bench import diluted_ratio, schedule_steps
+from slotinfer.bench import diluted_ratio, schedule_spans, schedule_steps
 
 gens_st = st.lists(st.integers(1, 600), min_size=1, max_size=80)
+reqs_st = st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300)), min_size=1, max_size=60)
 
 
 @given(gens_st, st.integers(1, 32))
@@ -42,3 +43,27 @@ def test_diluted_ratio_is_the_ratio_of_wall_times(decode_ratio, decode_s, prefil
     got = diluted_ratio(decode_ratio, prefill_s / continuous)
     assert abs(got - static / continuous) <= 1e-9 * static / continuous
     assert 1.0 - 1e-12 <= got <= decode_ratio + 1e-12
+
+
+@given(reqs_st, st.integers(1, 32))
+def test_schedule_spans_replay_the_schedules(reqs, slots):
+    spans = schedule_spans(reqs, slots)
+    steps = schedule_steps([g for _, g in reqs], slots)
+    assert {m: len(s) for m, s in spans.items()} == steps
+    # a span covers the new token of a live row, never more than the longest request
+    top = max(p + g for p, g in reqs)
+    assert all(min(p + 1 for p, _ in reqs) <= s <= top for sp in spans.values() for s in sp)
+
+
+@given(reqs_st)
+def test_one_slot_spans_walk_each_request(reqs):
+    want = [p + k for p, g in reqs for k in range(1, g + 1)]
+    assert schedule_spans(reqs, 1) == {"continuous": want, "static": want}
+
+
+@given(reqs_st)
+def test_one_batch_spans_are_the_longest_live_row(reqs):
+    """All requests fit at once: both schedules are one batch, and step k's span is the longest
+    prompt + k + 1 among the requests that still need a token."""
+    want = [max(p + k + 1 for p, g in reqs if g > k) for k in range(max(g for _, g in reqs))]
+    assert schedule_spans(reqs, len(reqs)) == {"continuous": want, "static": want}
