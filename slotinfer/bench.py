@@ -48,6 +48,8 @@ def add_arguments(p):
     p.add_argument("--mixed", action="store_true", help="continuous vs static batching on mixed lengths")
     p.add_argument("--mixed-slots", type=positive_int, default=16, help="slots (and static batch size) for --mixed")
     p.add_argument("--mixed-requests", type=positive_int, default=128, help="requests for --mixed")
+    p.add_argument("--mixed-rounds", type=positive_int, default=2,
+                   help="runs of each mode for --mixed, alternating continuous/static then static/continuous")
 
 
 def bench_model_path() -> Path:
@@ -97,13 +99,14 @@ def step_time_vs_max_len(model, slots=8, live=128, lens=(512, 2048, 8192)) -> di
     return out
 
 
-def mixed_workload(model, slots=16, n=128, seed=0):
+def mixed_workload(model, slots=16, n=128, seed=0, rounds=2):
     """Prompt and output lengths drawn from 16..512: continuous admission vs static batches.
 
     Returns tokens/s of each mode and their ratio, each mode's decode steps and mean live
     rows per step, the step counts the schedules themselves imply (``bound``), each mode's
     wall time and the wall time of the prompts' prefill alone (``prefill_s``: every request
-    with ``max_tokens=1``).  Prefill is the same work in both modes, so it pulls the ratio
+    with ``max_tokens=1``).  Each mode runs ``rounds`` times in :func:`alternating_order`;
+    its wall time is the mean of its runs.  Prefill is the same work in both modes, so it pulls the ratio
     from the decode-only one towards 1: see :func:`diluted_ratio`.
     """
     rng = random.Random(seed)
@@ -118,7 +121,8 @@ def mixed_workload(model, slots=16, n=128, seed=0):
         return slotinfer.Inferencer(model, slots=slots, max_len=1100, prefill_tokens=512)
 
     res["prefill_s"] = prefill_alone_s(inferencer, prompts)
-    for mode in ("continuous", "static"):
+    runs = {"continuous": [], "static": []}
+    for mode in alternating_order(rounds):
         with inferencer() as inf:
             t0 = time.perf_counter()
             if mode == "continuous":
@@ -129,12 +133,24 @@ def mixed_workload(model, slots=16, n=128, seed=0):
                     hs = [inf.submit(p, max_tokens=g, ignore_eos=True)
                           for p, g in zip(prompts[i:i + slots], gens[i:i + slots])]
                     [h.result() for h in hs]
-            res[f"{mode}_s"] = time.perf_counter() - t0
-            res[mode] = total / res[f"{mode}_s"]
+            runs[mode].append(time.perf_counter() - t0)
             st = inf.stats()
             res[f"{mode}_steps"], res[f"{mode}_rows"] = st["steps"], st["mean_occupancy"]
+    for mode, walls in runs.items():
+        res[f"{mode}_runs"] = walls
+        res[f"{mode}_s"] = statistics.mean(walls)
+        res[mode] = total / res[f"{mode}_s"]
     res["ratio"] = res["continuous"] / res["static"]
     return res
+
+
+def alternating_order(rounds: int) -> list[str]:
+    """The modes' run order: continuous, static, then static, continuous, and so on.  Over an
+    even number of rounds both modes sit at the same mean position, so a machine that speeds
+    up or slows down steadily during the runs moves both means alike (a mode run last alone
+    read 1.37x and 1.71x on the same 512 requests, one order then the other)."""
+    pair = ("continuous", "static")
+    return [m for r in range(rounds) for m in (pair if r % 2 == 0 else pair[::-1])]
 
 
 def mixed_requests(n: int, rng: random.Random) -> list[tuple[int, int]]:
@@ -202,11 +218,13 @@ def run(args) -> int:
             print(f"max_len {max_len:>5}: decode step {ms:7.1f} ms (8 slots, ~128 live tokens)")
         return 0
     if args.mixed:
-        r = mixed_workload(model, slots=args.mixed_slots, n=args.mixed_requests)
+        r = mixed_workload(model, slots=args.mixed_slots, n=args.mixed_requests, rounds=args.mixed_rounds)
         b = r["bound"]
         print(f"mixed lengths, {args.mixed_requests} requests, {args.mixed_slots} slots: "
               f"continuous {r['continuous']:.1f} tok/s, static {r['static']:.1f} tok/s, "
               f"ratio {r['ratio']:.2f}x")
+        print("  wall s in run order: " + ", ".join(
+            f"{m} {r[m + '_runs'][i // 2]:.1f}" for i, m in enumerate(alternating_order(args.mixed_rounds))))
         for mode in ("continuous", "static"):
             print(f"  {mode:>10}: {r[mode + '_steps']} decode steps, {r[mode + '_rows']:.1f} live rows per step "
                   f"(schedule alone: {b[mode]} steps)")

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slotinfer.bench import diluted_ratio, schedule_spans, schedule_steps
+from slotinfer.bench import alternating_order, diluted_ratio, schedule_spans, schedule_steps
 
 gens_st = st.lists(st.integers(1, 600), min_size=1, max_size=80)
 reqs_st = st.lists(st.tuples(st.integers(1, 600), st.integers(1, 300)), min_size=1, max_size=60)
@@ -67,3 +67,15 @@ def test_one_batch_spans_are_the_longest_live_row(reqs):
     prompt + k + 1 among the requests that still need a token."""
     want = [max(p + k + 1 for p, g in reqs if g > k) for k in range(max(g for _, g in reqs))]
     assert schedule_spans(reqs, len(reqs)) == {"continuous": want, "static": want}
+
+
+@given(st.integers(1, 20))
+def test_alternating_order_balances_a_steady_drift(rounds):
+    order = alternating_order(rounds)
+    assert len(order) == 2 * rounds and order[:2] == ["continuous", "static"]
+    at = {m: [i for i, o in enumerate(order) if o == m] for m in ("continuous", "static")}
+    assert len(at["continuous"]) == len(at["static"]) == rounds
+    # each round runs both; over even rounds both modes' mean positions are equal
+    assert all(sorted(order[2 * r:2 * r + 2]) == ["continuous", "static"] for r in range(rounds))
+    if rounds % 2 == 0:
+        assert sum(at["continuous"]) == sum(at["static"])
