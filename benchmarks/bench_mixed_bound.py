@@ -19,7 +19,6 @@ every decode step were twice as fast, and if a step's time did not grow with its
 """
 
 import argparse
-import random
 import statistics
 import time
 from pathlib import Path
@@ -28,12 +27,11 @@ import numpy as np
 
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
+from slotinfer.bench import MIXED_MAX_LEN as MAX_LEN
 from slotinfer.bench import mixed_requests, prefill_alone_s, schedule_spans
 from slotinfer.decoder import SPAN_BUCKET
 from slotinfer.demo import demo_model_path
 from slotinfer.engine import Engine
-
-MAX_LEN = 1100  # what slotinfer bench --mixed gives its Inferencers
 
 
 def step_times(model, slots: int, spans, rounds: int, steps: int) -> dict:
@@ -72,9 +70,7 @@ def main():
     args = ap.parse_args()
 
     model = slotinfer.load(args.model or demo_model_path())
-    rng = random.Random(0)  # the workload of slotinfer bench --mixed
-    reqs = mixed_requests(args.requests, rng)
-    prompts = [[rng.randrange(3, model.tokenizer.vocab_size) for _ in range(p)] for p, _ in reqs]
+    reqs, prompts = mixed_requests(model, args.requests)  # the workload of slotinfer bench --mixed
     print(f"model: {model}\n{args.requests} requests, {args.slots} slots")
 
     spans = list(range(SPAN_BUCKET, MAX_LEN, 3 * SPAN_BUCKET)) + [MAX_LEN]
@@ -85,8 +81,7 @@ def main():
     def step_s(span):
         return float(np.interp(min(-(-span // SPAN_BUCKET) * SPAN_BUCKET, MAX_LEN), xs, ys))
 
-    pf = prefill_alone_s(lambda: slotinfer.Inferencer(model, slots=args.slots, max_len=MAX_LEN,
-                                                      prefill_tokens=512), prompts)
+    pf = prefill_alone_s(model, args.slots, prompts)
     flops = prefill_flops(model.config, [p for p, _ in reqs])
     ntok = sum(p for p, _ in reqs)
     print(f"prefill alone: {pf:.1f} s for {ntok} prompt tokens ({ntok / pf:.0f} tokens/s; "

@@ -109,21 +109,14 @@ def mixed_workload(model, slots=16, n=128, seed=0, rounds=2):
     its wall time is the mean of its runs.  Prefill is the same work in both modes, so it pulls the ratio
     from the decode-only one towards 1: see :func:`diluted_ratio`.
     """
-    rng = random.Random(seed)
-    reqs = mixed_requests(n, rng)
-    vocab = model.tokenizer.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(p)] for p, _ in reqs]
+    reqs, prompts = mixed_requests(model, n, seed)
     gens = [g for _, g in reqs]
     total = sum(gens)
     res = {"bound": schedule_steps(gens, slots)}
-
-    def inferencer():  # the same engine for the prefill alone and for each mode
-        return slotinfer.Inferencer(model, slots=slots, max_len=1100, prefill_tokens=512)
-
-    res["prefill_s"] = prefill_alone_s(inferencer, prompts)
+    res["prefill_s"] = prefill_alone_s(model, slots, prompts)
     runs = {"continuous": [], "static": []}
     for mode in alternating_order(rounds):
-        with inferencer() as inf:
+        with mixed_inferencer(model, slots) as inf:
             t0 = time.perf_counter()
             if mode == "continuous":
                 hs = [inf.submit(p, max_tokens=g, ignore_eos=True) for p, g in zip(prompts, gens)]
@@ -153,15 +146,27 @@ def alternating_order(rounds: int) -> list[str]:
     return [m for r in range(rounds) for m in (pair if r % 2 == 0 else pair[::-1])]
 
 
-def mixed_requests(n: int, rng: random.Random) -> list[tuple[int, int]]:
-    """The mixed workload's (prompt tokens, output tokens) pairs, each uniform in 16..512."""
-    return [(rng.randint(16, 512), rng.randint(16, 512)) for _ in range(n)]
+MIXED_MAX_LEN = 1100  # a prompt and its output, each up to 512 tokens, fit with room
 
 
-def prefill_alone_s(inferencer, prompts) -> float:
+def mixed_requests(model, n: int, seed: int = 0) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """The mixed workload: ``n`` (prompt tokens, output tokens) pairs, each uniform in 16..512,
+    and random prompts of those lengths."""
+    rng = random.Random(seed)
+    reqs = [(rng.randint(16, 512), rng.randint(16, 512)) for _ in range(n)]
+    vocab = model.tokenizer.vocab_size
+    return reqs, [[rng.randrange(3, vocab) for _ in range(p)] for p, _ in reqs]
+
+
+def mixed_inferencer(model, slots: int):
+    """The engine every part of the mixed workload runs on: the prefill alone and each mode."""
+    return slotinfer.Inferencer(model, slots=slots, max_len=MIXED_MAX_LEN, prefill_tokens=512)
+
+
+def prefill_alone_s(model, slots: int, prompts) -> float:
     """Wall time of the prompts' prefill alone: every request with ``max_tokens=1`` on a fresh
-    ``inferencer()``."""
-    with inferencer() as inf:
+    :func:`mixed_inferencer`."""
+    with mixed_inferencer(model, slots) as inf:
         t0 = time.perf_counter()
         [h.result() for h in [inf.submit(p, max_tokens=1, ignore_eos=True) for p in prompts]]
         return time.perf_counter() - t0
