@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import device
+from . import device, gguf
 from ._files import read_json
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
 from .model import Model
@@ -45,6 +45,9 @@ def load(path, *, dtype=None) -> Model:
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidRequestError(f"load() takes the path of a model folder (a str or Path), got {path!r}")
     folder = Path(path).expanduser()
+    gguf_file = gguf.find(folder)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, dtype)
     if folder.is_file():
         raise ModelNotFoundError(
             f"{str(folder)!r} is a file, not a folder; pass the folder holding config.json "
@@ -56,6 +59,22 @@ def load(path, *, dtype=None) -> Model:
     cfg = parse_config(raw)
     weights = _text_weights(read_safetensors(folder))
     quant = _quant_params(raw, weights)
+
+    def tokenizer():
+        tok = Tokenizer.from_folder(folder)
+        if tok.vocab_size > cfg.vocab_size:
+            raise TokenizerError(
+                f"tokenizer.json has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}: "
+                "the tokenizer belongs to another model; copy the tokenizer files of this checkpoint"
+            )
+        return tok, _eos_ids(folder, raw, tok)
+
+    return assemble(cfg, weights, quant, dtype=dtype, path=folder, tokenizer=tokenizer)
+
+
+def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path, tokenizer) -> Model:
+    """The tail every checkpoint format shares: device policy, checks, dequantize or keep quantized,
+    build the Transformer, load its weights; ``tokenizer()`` gives (Tokenizer, EOS ids)."""
     stored = _stored_dtype(weights)
     compute = device.compute_dtype(stored, override=dtype)
     device.retain_freed_memory()
@@ -69,14 +88,18 @@ def load(path, *, dtype=None) -> Model:
         nn.quantize(net, class_predicate=lambda p, m: kept.get(p, False))
     net.load_weights(list(weights.items()), strict=True)
     mx.eval(net.parameters())
+    tok, eos_ids = tokenizer()
+    return Model(net, cfg, tok, eos_ids=eos_ids, dtype=compute, path=path)
 
-    tokenizer = Tokenizer.from_folder(folder)
-    if tokenizer.vocab_size > cfg.vocab_size:
+
+def _load_gguf(file: Path, dtype) -> Model:
+    cfg, weights, quant, meta = gguf.read(file)
+    tok = Tokenizer.from_gguf(meta, file.name)
+    if tok.vocab_size > cfg.vocab_size:
         raise TokenizerError(
-            f"tokenizer.json has {tokenizer.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}: "
-            "the tokenizer belongs to another model; copy the tokenizer files of this checkpoint"
-        )
-    return Model(net, cfg, tokenizer, eos_ids=_eos_ids(folder, raw, tokenizer), dtype=compute, path=folder)
+            f"{file.name}: the vocabulary (tokenizer.ggml.tokens) has {tok.vocab_size} tokens but token_embd has "
+            f"{cfg.vocab_size} rows; the file is inconsistent, re-convert it")
+    return assemble(cfg, weights, quant, dtype=dtype, path=file, tokenizer=lambda: (tok, tok.eos_ids))
 
 
 def read_safetensors(folder: Path) -> dict[str, mx.array]:
@@ -311,7 +334,8 @@ def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
                 continue
         if module in quant and not keep_q and kind == "weight":
             q = quant[module]
-            w = mx.dequantize(w, weights[f"{module}.scales"], weights[f"{module}.biases"],
+            # in the compute dtype: half-precision scales would round every weight to half precision
+            w = mx.dequantize(w, weights[f"{module}.scales"].astype(compute), weights[f"{module}.biases"].astype(compute),
                               group_size=q["group_size"], bits=q["bits"])
         if cfg.norm_offset and name.endswith("norm.weight"):
             w = w.astype(mx.float32) + cfg.norm_offset
@@ -339,7 +363,8 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
                     if s:
                         w = weights[f"{m}.weight"]
                         weights[f"{m}.weight"] = mx.dequantize(
-                            w, weights.pop(f"{m}.scales"), weights.pop(f"{m}.biases"), **s).astype(compute)
+                            w, weights.pop(f"{m}.scales").astype(compute), weights.pop(f"{m}.biases").astype(compute),
+                            **s)
                         quant.pop(m)
                 specs = [None] * len(parts)
             for kind in ("weight", "bias", "scales", "biases"):

@@ -287,6 +287,13 @@ class Tokenizer:
             source=str(folder),
         )
 
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any], source: str) -> "Tokenizer":
+        """The tokenizer a GGUF file's metadata describes (:mod:`slotinfer.gguf_tokenizer` rebuilds it)."""
+        from .gguf_tokenizer import build
+
+        return cls(**build(dict(metadata), source))
+
     # -- encoding / decoding --------------------------------------------------
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

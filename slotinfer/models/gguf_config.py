@@ -1,0 +1,169 @@
+"""GGUF metadata -> the ``config.json`` keys :func:`~slotinfer.models.config.parse_config` reads.
+
+llama.cpp's GGUF files carry the config as ``general.architecture`` plus ``<arch>.*``
+keys, and name tensors its own way (``blk.N.attn_q``).  Every per-architecture rule of
+that format lives in :data:`ARCHITECTURES` and the two key tables below; the result is
+an ordinary config dict, so the family switches themselves stay in ``config.py``.
+
+Where a GGUF says nothing and llama.cpp (the format's reference reader) applies a fixed
+rule, the same rule is applied here, named in :class:`Arch`: Gemma's sliding-window
+period, the local rope base of Gemma 3, Gemma 2's attention scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class Arch:
+    model_type: str  # the config.json model_type the architecture runs as
+    permuted_qk: bool = False  # llama.cpp's converter interleaved the q/k rows of each head
+    norm_shift: float = 0.0  # added by the converter to every norm weight (Gemma stores 1 + w)
+    sliding_period: int = 0  # every n-th layer is global, the others sliding (llama.cpp's fixed pattern)
+    local_rope_base: float | None = None  # rope base of sliding layers when the file has none
+    tensors: dict = field(default_factory=dict)  # per-layer names that differ from _LAYER_TENSORS
+
+
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+
+ARCHITECTURES = {
+    "llama": Arch("llama", permuted_qk=True),
+    "qwen2": Arch("qwen2"),
+    "qwen3": Arch("qwen3"),
+    "gemma2": Arch("gemma2", norm_shift=1.0, sliding_period=2, tensors=_GEMMA_NORMS),
+    "gemma3": Arch("gemma3_text", norm_shift=1.0, sliding_period=6, local_rope_base=10000.0,
+                   tensors=_GEMMA_NORMS),
+}
+
+# config.json key <- "<arch>.<suffix>", value kind, required
+_KEYS = (
+    ("num_hidden_layers", "block_count", int, True),
+    ("hidden_size", "embedding_length", int, True),
+    ("intermediate_size", "feed_forward_length", int, True),
+    ("num_attention_heads", "attention.head_count", int, True),
+    ("num_key_value_heads", "attention.head_count_kv", int, False),
+    ("head_dim", "attention.key_length", int, False),
+    ("rms_norm_eps", "attention.layer_norm_rms_epsilon", float, True),
+    ("max_position_embeddings", "context_length", int, True),
+    ("rope_theta", "rope.freq_base", float, False),
+    ("sliding_window", "attention.sliding_window", int, False),
+    ("attn_logit_softcapping", "attn_logit_softcapping", float, False),
+    ("final_logit_softcapping", "final_logit_softcapping", float, False),
+    ("rope_local_base_freq", "rope.freq_base_swa", float, False),
+)
+
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def architecture(meta: dict, source: str) -> tuple[str, Arch]:
+    name = meta.get("general.architecture")
+    if name not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: general.architecture = {name!r} is not supported; supported: "
+            f"{', '.join(ARCHITECTURES)} (convert the model's safetensors release instead, or use llama.cpp)"
+        )
+    return name, ARCHITECTURES[name]
+
+
+def module_name(arch: Arch, gguf_module: str) -> str | None:
+    """The checkpoint's module path of a GGUF tensor's base name (``blk.3.attn_q`` -> ``model.layers.3.self_attn.q_proj``)."""
+    if gguf_module in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_module]
+    parts = gguf_module.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        own = arch.tensors.get(parts[2]) or _LAYER_TENSORS.get(parts[2])
+        if own is not None:
+            return f"model.layers.{parts[1]}.{own}"
+    return None
+
+
+def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: bool, source: str) -> dict:
+    """The config.json dict of a GGUF's metadata (``vocab_rows``: the embedding's row count)."""
+    def key(suffix):
+        return f"{name}.{suffix}"
+
+    cfg = {"model_type": arch.model_type, "vocab_size": vocab_rows, "tie_word_embeddings": tied}
+    for hf, suffix, kind, required in _KEYS:
+        if key(suffix) in meta:
+            cfg[hf] = _scalar(meta[key(suffix)], key(suffix), kind, source)
+        elif required:
+            raise ConfigError(f"{source}: metadata key {key(suffix)!r} is missing; the file is incomplete, "
+                              "re-convert it with llama.cpp's convert_hf_to_gguf.py")
+    if key("vocab_size") in meta and _scalar(meta[key("vocab_size")], key("vocab_size"), int, source) != vocab_rows:
+        raise ConfigError(f"{source}: {key('vocab_size')} = {meta[key('vocab_size')]} but token_embd has "
+                          f"{vocab_rows} rows; the file is inconsistent, re-convert it")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // max(cfg["num_attention_heads"], 1)
+    for suffix in ("attention.value_length", "rope.dimension_count"):
+        if key(suffix) in meta and _scalar(meta[key(suffix)], key(suffix), int, source) != head_dim:
+            raise UnsupportedModelError(
+                f"{source}: {key(suffix)} = {meta[key(suffix)]} differs from the head size {head_dim}; "
+                "slotinfer runs only models whose values and rotary dims span the whole head")
+    cfg.setdefault("rope_theta", 10000.0)  # llama.cpp's default when a file leaves it out
+    cfg["rope_scaling"] = _rope_scaling(meta, key, source)
+    if arch.norm_shift:  # Gemma
+        _gemma(cfg, meta, key, arch, source)
+    return cfg
+
+
+def _gemma(cfg: dict, meta: dict, key, arch: Arch, source: str) -> None:
+    if "sliding_window" not in cfg:
+        raise ConfigError(f"{source}: metadata key {key('attention.sliding_window')!r} is missing; "
+                          f"{arch.model_type} needs it")
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if key("attention.scale") in meta:
+        scale = _scalar(meta[key("attention.scale")], key("attention.scale"), float, source)
+        cfg["query_pre_attn_scalar"] = 1.0 / (scale * scale)
+    elif arch.model_type == "gemma2" and cfg["num_hidden_layers"] == 46:
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] / cfg["num_attention_heads"]  # llama.cpp: Gemma 2 27B
+    else:
+        cfg["query_pre_attn_scalar"] = head_dim
+    n = cfg["num_hidden_layers"]
+    pattern = meta.get(key("attention.sliding_window_pattern"))
+    if isinstance(pattern, (list, tuple)) or getattr(pattern, "ndim", 0) == 1:
+        sliding = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern)]
+        if len(sliding) != n:
+            raise ConfigError(f"{source}: {key('attention.sliding_window_pattern')} has {len(sliding)} entries "
+                              f"for {n} layers")
+    else:
+        period = arch.sliding_period if pattern is None else _scalar(pattern, key("attention.sliding_window_pattern"), int, source)
+        sliding = [period == 0 or i % period < period - 1 for i in range(n)]
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if arch.local_rope_base is not None:
+        cfg.setdefault("rope_local_base_freq", arch.local_rope_base)
+
+
+def _rope_scaling(meta: dict, key, source: str) -> dict | None:
+    kind = meta.get(key("rope.scaling.type"), "none")
+    if kind in ("none", None):
+        return None
+    if kind != "linear":
+        raise UnsupportedModelError(f"{source}: {key('rope.scaling.type')} = {kind!r} is not supported "
+                                    "(supported: none, linear)")
+    if key("rope.scaling.factor") not in meta:
+        raise ConfigError(f"{source}: {key('rope.scaling.type')} is 'linear' but {key('rope.scaling.factor')} "
+                          "is missing")
+    return {"rope_type": "linear", "factor": _scalar(meta[key("rope.scaling.factor")], key("rope.scaling.factor"),
+                                                     float, source)}
+
+
+def _scalar(value, name: str, kind, source: str):
+    """A metadata number (MLX hands them over as 0-d arrays) as ``kind``."""
+    if hasattr(value, "ndim") and value.ndim == 0:
+        value = value.item()
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (kind is int and (value != int(value) or value < 0)):
+        raise ConfigError(f"{source}: metadata key {name!r} must be a {'whole ' if kind is int else ''}number, "
+                          f"got {value!r}; the file is damaged or written by a converter slotinfer does not know")
+    return kind(value)
