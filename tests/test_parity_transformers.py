@@ -10,6 +10,12 @@ the installed transformers writes), and both libraries load that folder:
    ``Model.generate(..., ignore_eos=True)``), which also checks the decode path
    with its KV cache and sliding windows past the prompt.
 
+The real SmolLM2-135M-Instruct GGUF (when its wheel is installed) is read by both:
+transformers dequantizes it itself (``from_pretrained(dir, gguf_file=...)``, float32), and
+prompt ids, chat rendering, last-position logits and greedy tokens (text and chat prompts,
+stopping at ``<|im_end|>``) agree on ``Model.generate``, ``batch_generate`` and the
+Inferencer.
+
 Skipped when torch or transformers (>= 5) is not installed (``pip install -e .[parity]``).
 """
 
@@ -123,3 +129,89 @@ def test_greedy_tokens_match(pair):
     got = ours.generate(ids, max_tokens=NEW_TOKENS, ignore_eos=True).tokens
     assert len(want) == NEW_TOKENS
     assert got == want, f"{case.name}: slotinfer {got} vs transformers {want}"
+
+
+# -- SmolLM2-135M-Instruct: one real GGUF, read by transformers itself ----------------------
+
+SMOL_TEXTS = ["The capital of France is", "In 2024, there were 12345 cats and 3 dogs in the"]
+SMOL_CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+              [{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
+               {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+               {"role": "user", "content": "Name a fruit."}]]
+SMOL_NEW = 32  # text prompts run to the limit; the chat answers end at <|im_end|> before it
+SMOL_ATOL = 5e-4  # both dequantize the Q4_1 blocks to float32 exactly; the rest is float32 summation order
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """transformers' and slotinfer's reading of the SmolLM2 GGUF, and the reference's answers."""
+    from slotinfer import default_model
+
+    path = default_model.path()
+    if path is None:
+        pytest.skip(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ref.eval()
+    ref_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ours = slotinfer.load(path, dtype="float32")
+    chats = [ref_tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in SMOL_CHATS]
+    prompts = SMOL_TEXTS + chats
+    ids = [ref_tok(p)["input_ids"] for p in prompts]
+    greedy, logits = [], []
+    with torch.no_grad():
+        for p in ids:
+            x = torch.tensor([p])
+            logits.append(ref(x).logits[0, -1].numpy())
+            out = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=SMOL_NEW)
+            greedy.append(out[0, len(p):].tolist())
+    eos = ref.generation_config.eos_token_id
+    assert all(g[-1] == eos for g in greedy[len(SMOL_TEXTS):]), "a chat answer did not end within SMOL_NEW tokens"
+    return dict(ref=ref, ref_tok=ref_tok, ours=ours, prompts=prompts, chats=chats, ids=ids, greedy=greedy,
+                logits=logits)
+
+
+def test_smollm2_prompt_ids_and_chat_template(smol):
+    ours = smol["ours"]
+    assert [ours.apply_chat_template(c) for c in SMOL_CHATS] == smol["chats"]
+    for prompt, want in zip(smol["prompts"], smol["ids"]):
+        assert ours.tokenizer.encode(prompt) == want, prompt
+    assert ours.eos_ids == {smol["ref"].generation_config.eos_token_id}
+
+
+def test_smollm2_last_logits(smol):
+    ours = smol["ours"]
+    engine = ours.classify(smol["prompts"], return_logits=True)  # the slot engine's prefill, batched
+    for k, (ids, want) in enumerate(zip(smol["ids"], smol["logits"])):
+        h = ours.net(mx.array([ids]), SequenceCache(ours.config.num_layers))
+        alone = np.array(ours.net.head(h[:, -1]).astype(mx.float32))[0]
+        for got in (alone, np.asarray(engine[k].logits)):
+            err = np.abs(got - want)
+            assert err.max() <= SMOL_ATOL, f"prompt {k}: max |logit diff| {err.max():.3g} (scale {np.abs(want).max():.3g})"
+
+
+def test_smollm2_greedy_generate(smol):
+    for prompt, want in zip(smol["prompts"], smol["greedy"]):
+        assert smol["ours"].generate(prompt, max_tokens=SMOL_NEW).tokens == want, prompt
+
+
+def test_smollm2_greedy_batch_generate(smol):
+    got = smol["ours"].batch_generate(smol["prompts"], max_tokens=SMOL_NEW)
+    assert [r.tokens for r in got] == smol["greedy"]
+
+
+def test_smollm2_greedy_inferencer(smol):
+    with slotinfer.Inferencer(smol["ours"], slots=3, max_len=256) as inf:  # fewer slots than prompts: refills
+        handles = [inf.submit(p, max_tokens=SMOL_NEW) for p in smol["prompts"]]
+        assert [h.result().tokens for h in handles] == smol["greedy"]
+
+
+def test_smollm2_chat_answers_end_at_the_end_of_turn(smol):
+    """Both stop each chat answer at <|im_end|> after the same tokens, and the text is the reference's."""
+    ours = smol["ours"]
+    for chat, want in zip(SMOL_CHATS, smol["greedy"][len(SMOL_TEXTS):]):
+        got = ours.generate(ours.apply_chat_template(chat), max_tokens=SMOL_NEW)
+        assert (got.tokens, got.finish_reason) == (want, "stop")
+        assert got.text == smol["ref_tok"].decode(want, skip_special_tokens=True)
