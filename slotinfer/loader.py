@@ -5,6 +5,8 @@ MLX-quantized layout: packed uint32 ``.weight`` + ``.scales`` + ``.biases``),
 the tokenizer files and ``generation_config.json``.  Weight names stay the
 checkpoint's own; the only rewrites are the ones the decoder needs (fused
 projections, Gemma's norm offset folded in) and they happen here, once.
+A ``.gguf`` file (or a folder holding one and no config.json) is read by
+:mod:`slotinfer.gguf` and joins the same :func:`assemble` tail.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON head
 
 
 def load(path, *, dtype=None) -> Model:
-    """Load a decoder checkpoint folder (Hugging Face or MLX-quantized layout).
+    """Load a decoder checkpoint folder (Hugging Face or MLX-quantized layout) or a GGUF file.
 
     ``dtype`` overrides the device policy's compute dtype (float32 on CPU, the
     stored dtype on a GPU), e.g. ``load(path, dtype="bfloat16")``.
 
         >>> model = slotinfer.load("models/Qwen3-0.6B")
+        >>> model = slotinfer.load("SmolLM2-135M-Instruct.Q4_1.gguf")  # docs/gguf.md
         >>> model.generate("The capital of France is", max_tokens=8).text
     """
     if not isinstance(path, (str, os.PathLike)):
