@@ -165,21 +165,23 @@ def read(path: Path):
     except (RuntimeError, ValueError) as e:
         raise WeightError(f"cannot read {source}: {e}; the file is damaged, re-download it") from None
     name, arch = architecture(meta, source)
+    # Llama 3.1+ rope scaling: the converter stores per-frequency factors instead of its parameters
+    rope = next((t for t in tensors if t.name == "rope_freqs.weight" and t.type == 0), None)
+    tensors = [t for t in tensors if t is not rope]
     by_module = {t.name.rsplit(".", 1)[0]: t for t in tensors if t.name.endswith(".weight")}
     hf_names = {}
     for t in tensors:
         module, _, kind = t.name.rpartition(".")
         own = module_name(arch, module)
         if own is None or kind not in ("weight", "bias"):
-            why = (" (per-frequency rope factors: the Llama 3.1 rope scaling, which slotinfer does not read "
-                   "from GGUF)" if module == "rope_freqs" else "")
             raise UnsupportedModelError(f"{source}: tensor {t.name} has no counterpart in slotinfer's {name} "
-                                        f"model{why}; load the model's safetensors release instead")
+                                        "model; load the model's safetensors release instead")
         hf_names[t.name] = f"{own}.{kind}"
     if "token_embd" not in by_module:
         raise WeightError(f"{source}: tensor token_embd.weight is missing; the file is incomplete, re-convert it")
     cfg_raw = config_dict(meta, name, arch, vocab_rows=by_module["token_embd"].shape[0],
-                          tied="output" not in by_module, source=source)
+                          tied="output" not in by_module, source=source,
+                          rope_factors=None if rope is None else np.array(weights[rope.name]))
     try:
         cfg = parse_config(cfg_raw)
     except ModelLoadError as e:

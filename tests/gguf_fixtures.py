@@ -42,9 +42,10 @@ _CONTROL, _USER_DEFINED, _UNUSED, _BYTE, _UNKNOWN = 3, 4, 5, 6, 2
 
 def twin(family: str, path: Path, **kw) -> Path:
     """The safetensors model a GGUF of ``family`` is written from, in settings a GGUF can express:
-    no Llama 3 rope scaling (llama.cpp writes it as a tensor of factors) and Gemma's attention
-    scaled by the head size (what llama.cpp assumes)."""
-    overrides = {"rope_scaling": None} if family == "llama" else {}
+    Gemma's attention scaled by the head size (what llama.cpp assumes), and for Llama a rope base
+    that puts two of head size 16's frequencies in Llama 3's blended band (its rope scaling is
+    stored as one factor per frequency)."""
+    overrides = {"rope_theta": 10000.0} if family == "llama" else {}
     if family.startswith("gemma"):
         overrides["query_pre_attn_scalar"] = 32
     folder = make_tiny_model(family, path, overrides=overrides, **kw)
@@ -61,6 +62,26 @@ def twin(family: str, path: Path, **kw) -> Path:
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py order of q/k rows: each head's two rotary halves interleaved."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_factors(cfg: dict) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` tensor for Llama 3 rope scaling (convert_hf_to_gguf.py's formula)."""
+    rs = cfg["rope_scaling"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (cfg["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high, orig = (rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"],
+                               rs["original_max_position_embeddings"])
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def text_config(folder: Path) -> dict:
@@ -103,6 +124,8 @@ def tensors(folder: Path) -> list[tuple[str, np.ndarray]]:
         if gemma and hf.endswith("norm.weight"):
             w = w + np.float32(1.0)
         out.append((gguf_name(hf, gemma), w))
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "llama3":
+        out.append(("rope_freqs.weight", rope_factors(cfg)))
     return out
 
 

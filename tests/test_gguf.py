@@ -26,7 +26,7 @@ from slotinfer.testing import FAMILIES
 
 gguf = pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_fixtures import T, hf_tensors, permute, quantized, twin, write_gguf  # noqa: E402
+from gguf_fixtures import T, hf_tensors, permute, quantized, tensors, twin, write_gguf  # noqa: E402
 
 IDS = [5, 17, 42, 99, 7, 130, 64, 8, 21, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # > Gemma's window
 TEXTS = ["Hello world, this is a test.", "The quick brown fox 12345 jumps!\n\nNew line", "  spaced   out  ",
@@ -271,10 +271,21 @@ def test_metadata_values_slotinfer_cannot_run(files, tmp_path, edits, error, phr
         slotinfer.load(broken(files, tmp_path, meta_edits=edits))
 
 
-def test_rope_frequency_tensor_is_refused(files, tmp_path):
-    path = broken(files, tmp_path, tensor_edits=lambda p: p + [("rope_freqs.weight", np.ones(8, np.float32), T.F32)])
-    with pytest.raises(UnsupportedModelError, match="rope_freqs.weight.*per-frequency rope factors"):
-        slotinfer.load(path)
+def test_llama3_rope_scaling_comes_back_from_its_factors(files):
+    tw, path = files("llama")
+    rope = slotinfer.load(path).config.rope
+    assert (rope.type, rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+            rope.original_max_position_embeddings) == ("llama3", 8.0, 1.0, 4.0, 64)
+    assert any(n == "rope_freqs.weight" for n, _ in tensors(tw))
+
+
+@pytest.mark.parametrize("change", [lambda f: f * np.float32(1.01), lambda f: f[:-1], lambda f: np.ones_like(f) * 2])
+def test_rope_factors_that_are_not_llama3_scaling_are_refused(files, tmp_path, change):
+    def edit(plan):
+        return [(n, change(w) if n == "rope_freqs.weight" else w, t) for n, w, t in plan]
+
+    with pytest.raises(UnsupportedModelError, match="rope_freqs.weight does not hold Llama 3's rope scaling"):
+        slotinfer.load(broken(files, tmp_path, tensor_edits=edit))
 
 
 # -- the real model ------------------------------------------------------------------------

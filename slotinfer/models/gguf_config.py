@@ -103,8 +103,10 @@ def gguf_module(arch: Arch, module: str) -> str:
     return module
 
 
-def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: bool, source: str) -> dict:
-    """The config.json dict of a GGUF's metadata (``vocab_rows``: the embedding's row count)."""
+def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: bool, source: str,
+                rope_factors=None) -> dict:
+    """The config.json dict of a GGUF's metadata (``vocab_rows``: the embedding's row count;
+    ``rope_factors``: the ``rope_freqs`` tensor, when the file has one)."""
     def key(suffix):
         return f"{name}.{suffix}"
 
@@ -126,6 +128,11 @@ def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: boo
                 "slotinfer runs only models whose values and rotary dims span the whole head")
     cfg.setdefault("rope_theta", 10000.0)  # llama.cpp's default when a file leaves it out
     cfg["rope_scaling"] = _rope_scaling(meta, key, source)
+    if rope_factors is not None:
+        if cfg["rope_scaling"] is not None or not arch.permuted_qk:
+            raise UnsupportedModelError(f"{source}: tensor rope_freqs.weight (per-frequency rope factors) is only "
+                                        "read as Llama 3's rope scaling, in a llama file without other scaling")
+        cfg["rope_scaling"] = llama3_scaling(rope_factors, cfg["rope_theta"], head_dim, source)
     if arch.norm_shift:  # Gemma
         _gemma(cfg, meta, key, arch, source)
     return cfg
@@ -157,6 +164,38 @@ def _gemma(cfg: dict, meta: dict, key, arch: Arch, source: str) -> None:
     cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     if arch.local_rope_base is not None:
         cfg.setdefault("rope_local_base_freq", arch.local_rope_base)
+
+
+def llama3_scaling(factors, theta: float, head_dim: int, source: str) -> dict:
+    """Llama 3's rope_scaling parameters recovered from llama.cpp's ``rope_freqs`` factors, and checked:
+    they must give back every factor, or the file is refused.
+
+    The factors are 1 for short wavelengths, ``factor`` for long ones and ``1 / ((1 - s) / factor + s)``
+    between, with ``s = (orig / wavelength - low) / (high - low)`` linear in 1 / wavelength: two
+    blended frequencies fix its slope and offset, hence ``orig`` and ``high`` for ``low = 1``.
+    """
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    refuse = UnsupportedModelError(
+        f"{source}: tensor rope_freqs.weight does not hold Llama 3's rope scaling for {head_dim // 2} frequencies "
+        "(slotinfer reads no other per-frequency rope factors); load the model's safetensors release instead")
+    if f.shape != wavelen.shape or not np.isfinite(f).all() or f.min() < 1.0:
+        raise refuse
+    factor = float(f.max())
+    blend = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))
+    if factor == 1.0 or blend.sum() < 2:
+        raise refuse
+    s = (1 / f[blend] - 1 / factor) / (1 - 1 / factor)
+    slope, offset = np.polyfit(1 / wavelen[blend], s, 1)
+    if offset >= 0 or slope <= 0:
+        raise refuse
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+              "high_freq_factor": round(1 - 1 / offset, 6), "original_max_position_embeddings": round(-slope / offset)}
+    orig, high = params["original_max_position_embeddings"], params["high_freq_factor"]
+    smooth = np.clip((orig / wavelen - 1.0) / (high - 1.0), 0.0, 1.0)
+    if not np.allclose(1 / ((1 - smooth) / factor + smooth), f, rtol=1e-5, atol=0):
+        raise refuse
+    return params
 
 
 def _rope_scaling(meta: dict, key, source: str) -> dict | None:
