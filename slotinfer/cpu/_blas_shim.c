@@ -119,6 +119,19 @@ static void pick_kernels(void) {
 #endif
 }
 
+/* Which kernels the loops run: 1 the AVX2+FMA ones where the CPU has them (the default
+ * after init), 0 the portable ones (plain C vectors, any CPU).  Returns whether the AVX2
+ * ones are now in use.  The tests hold both to the same properties; not for use while
+ * another thread is inside a product. */
+int slotinfer_shim_kernels(int fast) {
+  nt_cols = nt_cols_base;
+  nn_small = nn_small_base;
+  tn_pack = tn_pack_base;
+  tn_cols = tn_cols_base;
+  if (fast) pick_kernels();
+  return nt_cols != nt_cols_base;
+}
+
 /* -- threads -------------------------------------------------------------- */
 
 #if defined(__x86_64__) || defined(__i386__)
