@@ -90,8 +90,7 @@ def own_elementwise(device=None) -> bool:
     """Whether exp-based activations and softmax use :mod:`slotinfer.cpu.fastmath`.
 
     CPU: yes -- MLX's x86 CPU ``exp`` runs element by element through libm calls, and
-    the version written as fused MLX arithmetic is 3x faster (its docstring has the
-    figures).  GPU: no, its kernels have a fast ``exp``.  ``SLOTINFER_OWN_MATH=0`` turns it
+    the version written as fused MLX arithmetic is several times faster.  GPU: no, its kernels have a fast ``exp``.  ``SLOTINFER_OWN_MATH=0`` turns it
     off (for comparing the two).
     """
     return _kind(device) == "cpu" and settings.own_math()
@@ -103,8 +102,7 @@ def attention_split(device=None) -> int:
     CPU: one per core this process may use (its affinity, SMT siblings once, a container's
     CPU quota: :func:`slotinfer.cpu.blas.usable_cores`), up to 8 -- MLX runs each stream's ops
     on its own thread, and attention over every slot's K/V is bound by how fast one core
-    reads memory (32 slots at 1024 positions, 0.6B shape: 35 -> 16 ms per layer on 2
-    cores).  More streams than cores only queue behind each other.  GPU: 1, its kernels
+    reads memory.  More streams than cores only queue behind each other.  GPU: 1, its kernels
     already use the whole device.  ``SLOTINFER_ATTENTION_STREAMS=n`` sets it.
     """
     if _kind(device) != "cpu":
@@ -118,11 +116,9 @@ def prefill_by_layer(device=None) -> int:
 
     CPU: 256.  MLX allocates each op's output when the op is queued, ahead of the thread that
     computes it, so a prefill issued as one lazy graph holds several layers' activations at
-    once: a 32 x 32-token prefill of a 0.6B model peaked 846 MB over the weights and K/V
-    table, against 233 MB layer by layer, at the same speed within this machine's noise
-    (0.97-1.07x); the first such prefill of a process, which faults all of that memory in,
-    8.1-8.3 s against 9.1-9.2 (docs/benchmarks.md).  Smaller calls stay one graph (at 64-128
-    tokens the wait at each layer cost 0-3% and saved a few MB).  GPU: never -- a wait per
+    once, several times the memory of one layer at a time, for no gain in speed.  Smaller
+    calls stay one graph: there the wait at each layer costs more than the memory it saves.
+    GPU: never -- a wait per
     layer would leave the device idle while the host queues the next layer's kernels.
     """
     return 256 if _kind(device) == "cpu" else 0

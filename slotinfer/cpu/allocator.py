@@ -3,8 +3,7 @@
 A step allocates and frees the same large activations (a 32-slot LM head writes 19 MB of
 logits; a 1024-token prefill 25 MB per MLP) over and over.  By default glibc returns the
 freed top of the heap to the system, and the next step faults the pages back in, zeroed by
-the kernel: ~100k page faults per 32 x 32-token prefill of a 0.6B model, 9% of its time,
-and ~3% of a decode step.  Allocations up to 32 MiB are kept on the heap, and up to 1 GiB of
+the kernel, a cost paid on every step.  Allocations up to 32 MiB are kept on the heap, and up to 1 GiB of
 free heap is retained.
 """
 
