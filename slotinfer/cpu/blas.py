@@ -62,10 +62,12 @@ def ensure_blas() -> BlasInfo:
     return _info
 
 
-def _reference(why: str) -> BlasInfo:
+def _reference(why: str, fix: str | None = None) -> BlasInfo:
+    """The reference BLAS stays, with one warning that says why and what fixes it (by default,
+    installing an optimized BLAS; ``fix`` when the library is there and something else is wrong)."""
     try:  # under `-W error` too, importing slotinfer must not raise
         warnings.warn(f"slotinfer: {why}; MLX keeps its reference BLAS, so f32 matmul on CPU "
-                      f"is much slower. For an optimized one: {_HOWTO}.", stacklevel=4)
+                      f"is much slower. {fix or 'For an optimized one: ' + _HOWTO}.", stacklevel=4)
     except Exception:  # noqa: BLE001
         pass
     return BlasInfo("reference", None, False, note=why)
@@ -81,8 +83,10 @@ def _choose() -> BlasInfo:
         fast = any(k in pre.lower() for k in ("openblas", "mkl", "blis", "blas_shim"))
         return _finish(BlasInfo("preloaded", pre, fast, note="cblas_sgemm was already global"))
     if "mlx.core" in sys.modules:
-        return _reference("mlx.core was imported before slotinfer, too late to swap its "
-                          "BLAS (import slotinfer first)")
+        # The optimized BLAS may well be installed: the fix is the import order, not a package.
+        return _reference("mlx.core was imported before slotinfer, too late to swap its BLAS",
+                          "To fix it, import slotinfer first: `import slotinfer` before `import mlx.core` "
+                          "or any package that imports MLX (such as mlx_lm)")
     # OpenBLAS workers spin before sleeping; when another thread or process wants the
     # core (our own host bookkeeping, a producer thread), long spins stall every call.
     # A short timeout (2**4 cycles) costs nothing on an idle machine.
