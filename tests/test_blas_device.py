@@ -400,3 +400,14 @@ def test_shim_products_survive_fork(threads):
     got = _py(_FORK, SLOTINFER_BLAS_THREADS=threads)
     assert "shim" in got["note"]
     assert got == {**got, "child": 0, "parent_again": True, "close": True}
+
+
+def test_import_writes_no_file(tmp_path):
+    """Importing slotinfer and loading its BLAS compiles nothing and writes nothing: the shim is
+    built at install time, and no cache folder appears in the user's home."""
+    home = tmp_path / "home"
+    home.mkdir()
+    out = _py("import json, slotinfer; print(json.dumps({'note': slotinfer.BLAS.note}))",
+              HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), CC=str(tmp_path / "no-compiler"))
+    assert "note" in out
+    assert list(home.rglob("*")) == []
