@@ -4,7 +4,7 @@
  * fastest OpenBLAS builds on PyPI (scipy-openblas32, numpy's bundled copy)
  * export only prefixed names (scipy_cblas_sgemm, scipy_cblas_sgemm64_), so
  * loading them globally interposes nothing.  This file exports the names MLX
- * looks up and forwards to the real functions, which slotinfer._blas resolves
+ * looks up and forwards to the real functions, which slotinfer/cpu/blas.py resolves
  * at runtime through slotinfer_shim_init(): no build-time paths are baked in.
  *
  * It also sends single-row / single-column sgemm (a decode step with one
