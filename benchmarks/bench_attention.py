@@ -16,6 +16,7 @@ import time
 import slotinfer  # noqa: F401  (first: installs the BLAS before mlx.core loads)
 import mlx.core as mx
 from slotinfer import device
+from slotinfer.cpu.ops import cpu_ops
 from slotinfer.models.transformer import attend, attend_split
 
 
@@ -43,11 +44,12 @@ def main():
     mx.eval(keys, values, q)
     print(f"{b} slots, {split} streams; ms per layer (median of 20)")
     print(f"{'span':>6} {'one stream':>11} {'split':>8} {'ratio':>6}")
+    ops = cpu_ops()
     for span in [int(s) for s in args.spans.split(",")]:
         mask = (mx.arange(span)[None] < mx.random.randint(span // 2, span + 1, (b,))[:, None])[:, None, None]
-        whole = mx.compile(lambda q, k, v, m: attend(q, k[:, :, :span], v[:, :, :span], 0.088, m, None, True))
+        whole = mx.compile(lambda q, k, v, m: attend(q, k[:, :, :span], v[:, :, :span], 0.088, m, None, ops))
         parts = mx.compile(lambda q, k, v, m: attend_split(q, k[:, :, :span], v[:, :, :span], 0.088, m, None,
-                                                           True, split))
+                                                           ops, split))
         one, many = median_ms(whole, (q, keys, values, mask)), median_ms(parts, (q, keys, values, mask))
         print(f"{span:>6} {one:>11.2f} {many:>8.2f} {one / many:>6.2f}", flush=True)
 

@@ -14,14 +14,12 @@ conclusions are in docs/blas.md.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = ["none", "openblas-scipy", "openblas-numpy", "openblas-system", "mkl"]
 ROWS = [1, 8, 32]
 COLD_BYTES = 256 << 20
@@ -29,11 +27,9 @@ WEIGHTS = [(1024, 1024), (3072, 1024), (1024, 3072), (151936, 1024)]  # (out, in
 
 
 def worker(budget: float) -> None:
-    # Load _blas.py on its own so the benchmark runs without the rest of the package.
-    spec = importlib.util.spec_from_file_location("_blas", os.path.join(ROOT, "slotinfer", "_blas.py"))
-    blas = sys.modules["_blas"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(blas)
-    info = blas.ensure_blas()  # before mlx.core, as slotinfer/__init__ does
+    from slotinfer.cpu import blas  # slotinfer/__init__ loads the BLAS before mlx.core
+
+    info = blas.ensure_blas()
     import mlx.core as mx
 
     results = []

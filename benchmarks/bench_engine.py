@@ -18,7 +18,7 @@ import time
 
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
-from slotinfer._blas import set_own_products
+from slotinfer.cpu.blas import set_own_products
 from slotinfer.bench import bench_model_path, engine_tokens_per_s, prompts_of
 
 

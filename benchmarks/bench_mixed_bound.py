@@ -8,7 +8,7 @@ two quantities that decide them and replays the seeded workload's schedules on t
   are live);
 - the prompts' prefill alone (every request with ``max_tokens=1``), the same work in both modes.
 
-``slotinfer.bench.schedule_spans`` gives each schedule's span step by step; summing the step
+``schedules.schedule_spans`` gives each schedule's span step by step; summing the step
 times at those spans predicts each mode's decode time, and the prefill is added to both.  Then
 it prints the ratio the measured costs predict, and what it would be if the prefill were free,
 if it ran at ``--peak-gflops`` (the machine's FMA peak: its FLOPs counted from the config), if
@@ -28,10 +28,12 @@ import numpy as np
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
 from slotinfer.bench import MIXED_MAX_LEN as MAX_LEN
-from slotinfer.bench import mixed_requests, prefill_alone_s, schedule_spans
+from slotinfer.bench import mixed_requests, prefill_alone_s
 from slotinfer.decoder import SPAN_BUCKET
 from slotinfer.demo import demo_model_path
 from slotinfer.engine import Engine
+
+from schedules import diluted_ratio, schedule_spans, schedule_steps  # benchmarks/, beside this script
 
 
 def step_times(model, slots: int, spans, rounds: int, steps: int) -> dict:
@@ -96,8 +98,10 @@ def main():
           f"against {statistics.mean(sched['static']):.0f}")
     print(f"predicted decode: continuous {c:.1f} s, static {s:.1f} s ({s / c:.2f}x)")
 
-    def ratio(c, s, p):
-        return (s + p) / (c + p)
+    assert {m: len(sp) for m, sp in sched.items()} == schedule_steps([g for _, g in reqs], args.slots)
+
+    def ratio(c, s, p):  # the shared prefill p dilutes the decode ratio s / c
+        return diluted_ratio(s / c, p / (c + p))
 
     rows = [("as measured", ratio(c, s, pf)), ("prefill free", ratio(c, s, 0.0))]
     if args.peak_gflops:

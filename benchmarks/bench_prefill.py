@@ -31,7 +31,7 @@ import mlx.core as mx
 from slotinfer.demo import demo_model_path
 from slotinfer.device import prefill_by_layer
 from slotinfer.engine import Engine
-from slotinfer.models import fastmath
+from slotinfer.cpu import fastmath
 from slotinfer.models import transformer as T
 from slotinfer.slots import PrefillView
 

@@ -5,7 +5,7 @@
     >>> model.generate("Hello", max_tokens=16).text
 """
 
-from . import _blas
+from .cpu import blas as _blas
 
 # An optimized BLAS must be loaded globally before mlx.core is first imported:
 # MLX's f32 matmul on Linux CPU links a reference BLAS otherwise (~30x slower).

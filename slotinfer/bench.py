@@ -8,8 +8,6 @@ the model is built locally once and cached; its shape, not its words, sets the s
 from __future__ import annotations
 
 import argparse
-import heapq
-import os
 import random
 import statistics
 import time
@@ -17,11 +15,12 @@ from pathlib import Path
 
 import slotinfer
 
+from . import settings
 from .engine import Engine
 
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, intermediate_size=3072, vocab_size=151936)
-CACHE = Path(os.environ.get("SLOTINFER_CACHE", Path.home() / ".cache" / "slotinfer"))
+CACHE = settings.cache_dir()
 
 
 def slot_counts(text: str) -> list[int]:
@@ -103,17 +102,15 @@ def mixed_workload(model, slots=16, n=128, seed=0, rounds=2):
     """Prompt and output lengths drawn from 16..512: continuous admission vs static batches.
 
     Returns tokens/s of each mode and their ratio, each mode's decode steps and mean live
-    rows per step, the step counts the schedules themselves imply (``bound``), each mode's
-    wall time and the wall time of the prompts' prefill alone (``prefill_s``: every request
-    with ``max_tokens=1``).  Each mode runs ``rounds`` times in :func:`alternating_order`;
-    its wall time is the mean of its runs.  Prefill is the same work in both modes, so it pulls the ratio
-    from the decode-only one towards 1: see :func:`diluted_ratio`.
+    rows per step, and each mode's wall time.  Each mode runs ``rounds`` times in
+    :func:`alternating_order`; its wall time is the mean of its runs.  What bounds the
+    ratio (the schedules' step counts, the prefill both modes share) is worked out by
+    ``benchmarks/bench_mixed_bound.py``.
     """
     reqs, prompts = mixed_requests(model, n, seed)
     gens = [g for _, g in reqs]
     total = sum(gens)
-    res = {"bound": schedule_steps(gens, slots)}
-    res["prefill_s"] = prefill_alone_s(model, slots, prompts)
+    res = {}
     runs = {"continuous": [], "static": []}
     for mode in alternating_order(rounds):
         with mixed_inferencer(model, slots) as inf:
@@ -172,49 +169,6 @@ def prefill_alone_s(model, slots: int, prompts) -> float:
         return time.perf_counter() - t0
 
 
-def diluted_ratio(decode_ratio: float, prefill_share: float) -> float:
-    """Throughput ratio of two modes whose decode times differ by ``decode_ratio`` (static /
-    continuous) and which share the same prefill, ``prefill_share`` of the continuous mode's
-    wall time ``p``: ``r (1 - p) + p``.  On a CPU, where a prompt token costs ~40% of a
-    16-row decode token, this is what keeps a mixed workload's ratio under the schedule's."""
-    return decode_ratio * (1.0 - prefill_share) + prefill_share
-
-
-def schedule_steps(gens: list[int], slots: int) -> dict:
-    """Decode steps each schedule needs when a step costs the same whatever it holds:
-    static batches take their longest output's steps; continuous admission (FIFO into the
-    first free slot, no gap) ends when the last slot does."""
-    static = sum(max(gens[i:i + slots]) for i in range(0, len(gens), slots))
-    free = [0] * slots
-    for g in gens:
-        heapq.heapreplace(free, free[0] + g)
-    return {"static": static, "continuous": max(free)}
-
-
-def schedule_spans(reqs: list[tuple[int, int]], slots: int) -> dict[str, list[int]]:
-    """Replay both schedules of :func:`schedule_steps` step by step and give each decode step's
-    attention span: the longest live row's length (prompt, tokens decoded so far and the new
-    one), which sets what the Decoder's step computes for every slot.
-
-    ``reqs`` are (prompt tokens, output tokens) pairs; an item holds its slot for as many
-    steps as it has output tokens.  A step's cost in the engine is close to a constant plus
-    a term in this span (idle rows compute too), so these lists turn step times measured at
-    a few spans into each schedule's decode time: ``benchmarks/bench_mixed_bound.py``.
-    """
-    out = {}
-    for mode in ("continuous", "static"):
-        queue, live, spans = list(reqs), [], []  # live: [prompt, remaining, decoded]
-        while queue or live:
-            if mode == "continuous" or not live:
-                while queue and len(live) < slots:
-                    p, g = queue.pop(0)
-                    live.append([p, g, 0])
-            spans.append(max(p + d + 1 for p, _, d in live))
-            live = [[p, g - 1, d + 1] for p, g, d in live if g > 1]
-        out[mode] = spans
-    return out
-
-
 def run(args) -> int:
     model = slotinfer.load(args.model or bench_model_path(), dtype=args.dtype)
     print(f"model: {model}\nBLAS: {slotinfer.BLAS.name}  compute dtype: {model.dtype}")
@@ -224,22 +178,13 @@ def run(args) -> int:
         return 0
     if args.mixed:
         r = mixed_workload(model, slots=args.mixed_slots, n=args.mixed_requests, rounds=args.mixed_rounds)
-        b = r["bound"]
         print(f"mixed lengths, {args.mixed_requests} requests, {args.mixed_slots} slots: "
               f"continuous {r['continuous']:.1f} tok/s, static {r['static']:.1f} tok/s, "
               f"ratio {r['ratio']:.2f}x")
         print("  wall s in run order: " + ", ".join(
             f"{m} {r[m + '_runs'][i // 2]:.1f}" for i, m in enumerate(alternating_order(args.mixed_rounds))))
         for mode in ("continuous", "static"):
-            print(f"  {mode:>10}: {r[mode + '_steps']} decode steps, {r[mode + '_rows']:.1f} live rows per step "
-                  f"(schedule alone: {b[mode]} steps)")
-        print(f"  steps static / continuous: {r['static_steps'] / r['continuous_steps']:.2f} "
-              f"(schedule alone: {b['static'] / b['continuous']:.2f})")
-        pf, share = r["prefill_s"], r["prefill_s"] / r["continuous_s"]
-        dec = (r["static_s"] - pf) / max(r["continuous_s"] - pf, 1e-9)
-        print(f"  prefill alone: {pf:.1f} s, {share:.0%} of the continuous run; decode alone "
-              f"(wall - prefill) static / continuous: {dec:.2f}, diluted by the shared prefill to "
-              f"{diluted_ratio(dec, share):.2f}")
+            print(f"  {mode:>10}: {r[mode + '_steps']} decode steps, {r[mode + '_rows']:.1f} live rows per step")
         return 0
     print(f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated each; median of {args.repeats}")
     print(f"{'slots':>5} {'tokens/s':>10} {'decode tokens/s':>16}")

@@ -8,20 +8,20 @@ the host copies them once per step, one step behind (see ``engine.py``).
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
+from . import settings
 from ._compile import ThreadCompiled
 from .sampling import logprobs_of, penalize, sample
 from .slots import DecodeView, SlotTable
 
 SPAN_BUCKET = 64  # attention spans are rounded up to this, so a few compiled shapes serve every length
-# SLOTINFER_COMPILE=0 runs the step eagerly (for debugging and for comparing the two).
-COMPILE = os.environ.get("SLOTINFER_COMPILE", "1") != "0"
+COMPILE = settings.compile_steps()  # SLOTINFER_COMPILE=0: eager steps, for debugging
 
 
 class Decoder:
+    """The slot table's decode step, compiled once per (span bucket, sampling mode)."""
+
     def __init__(self, net, table: SlotTable):
         self.net, self.table = net, table
         self._compiled = {}

@@ -1,26 +1,29 @@
-"""Device policy: where slotinfer computes and in which dtype.
+"""Device policy: where slotinfer computes, in which dtype, and with which kernels.
 
 CPU: float32 always, weights dequantized at load.  MLX's CPU half-precision
 and quantized matmuls do not go through BLAS; f32 does, and with the
-optimized BLAS that ``slotinfer._blas`` loads it is the fast path.
+optimized BLAS that :mod:`slotinfer.cpu.blas` loads it is the fast path.
 GPU: weights stay as stored (float16 / bfloat16 / float32, quantized kept
 quantized) since the GPU kernels are built for them and memory is the limit.
+
+This module only decides; how the CPU is made fast lives in :mod:`slotinfer.cpu`,
+and the environment variables that override a decision are read in
+:mod:`slotinfer.settings`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
-import platform
-import sys
 
-from . import _blas
+from . import settings
+from .cpu import allocator, blas
 
-_blas.ensure_blas()  # must run before mlx.core is first imported; a no-op after `import slotinfer`
+blas.ensure_blas()  # must run before mlx.core is first imported; a no-op after `import slotinfer`
 
 import mlx.core as mx  # noqa: E402
 
+from .cpu.ops import MLX_OPS, Ops, cpu_ops  # noqa: E402
 from .errors import InvalidRequestError  # noqa: E402
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -73,36 +76,39 @@ def compute_dtype(stored_dtype, device=None, override=None) -> mx.Dtype:
         return mx.float32
 
 
+def model_ops(device=None) -> Ops:
+    """The one ops object the model computes with (:mod:`slotinfer.cpu.ops`): on CPU the
+    own elementwise math (:func:`own_elementwise`) and the split decode attention
+    (:func:`attention_split`); on GPU MLX's own kernels."""
+    streams = attention_split(device)
+    if own_elementwise(device):
+        return cpu_ops(streams)
+    return dataclasses.replace(MLX_OPS, attention_streams=streams) if streams > 1 else MLX_OPS
+
+
 def own_elementwise(device=None) -> bool:
-    """Whether exp-based activations and softmax use :mod:`slotinfer.models.fastmath`.
+    """Whether exp-based activations and softmax use :mod:`slotinfer.cpu.fastmath`.
 
     CPU: yes -- MLX's x86 CPU ``exp`` runs element by element through libm calls, and
-    the version written as fused MLX arithmetic is 3x faster (its docstring has the
-    figures).  GPU: no, its kernels have a fast ``exp``.  ``SLOTINFER_OWN_MATH=0`` turns it
+    the version written as fused MLX arithmetic is several times faster.  GPU: no, its kernels have a fast ``exp``.  ``SLOTINFER_OWN_MATH=0`` turns it
     off (for comparing the two).
     """
-    return _kind(device) == "cpu" and os.environ.get("SLOTINFER_OWN_MATH", "1") != "0"
+    return _kind(device) == "cpu" and settings.own_math()
 
 
 def attention_split(device=None) -> int:
     """Into how many concurrent streams a decode step's attention is split (by slots); 1: none.
 
     CPU: one per core this process may use (its affinity, SMT siblings once, a container's
-    CPU quota: :func:`slotinfer._blas.usable_cores`), up to 8 -- MLX runs each stream's ops
+    CPU quota: :func:`slotinfer.cpu.blas.usable_cores`), up to 8 -- MLX runs each stream's ops
     on its own thread, and attention over every slot's K/V is bound by how fast one core
-    reads memory (32 slots at 1024 positions, 0.6B shape: 35 -> 16 ms per layer on 2
-    cores).  More streams than cores only queue behind each other.  GPU: 1, its kernels
+    reads memory.  More streams than cores only queue behind each other.  GPU: 1, its kernels
     already use the whole device.  ``SLOTINFER_ATTENTION_STREAMS=n`` sets it.
     """
     if _kind(device) != "cpu":
         return 1
-    value = os.environ.get("SLOTINFER_ATTENTION_STREAMS", "").strip()
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"SLOTINFER_ATTENTION_STREAMS={value!r}: expected a whole number >= 1 "
-                             "(the CPU streams a decode step's attention is split over); unset it for the default")
-        return int(value)
-    return min(_blas.usable_cores(), 8)
+    streams = settings.attention_streams()
+    return streams if streams is not None else min(blas.usable_cores(), 8)
 
 
 def prefill_by_layer(device=None) -> int:
@@ -110,42 +116,18 @@ def prefill_by_layer(device=None) -> int:
 
     CPU: 256.  MLX allocates each op's output when the op is queued, ahead of the thread that
     computes it, so a prefill issued as one lazy graph holds several layers' activations at
-    once: a 32 x 32-token prefill of a 0.6B model peaked 846 MB over the weights and K/V
-    table, against 233 MB layer by layer, at the same speed within this machine's noise
-    (0.97-1.07x); the first such prefill of a process, which faults all of that memory in,
-    8.1-8.3 s against 9.1-9.2 (docs/benchmarks.md).  Smaller calls stay one graph (at 64-128
-    tokens the wait at each layer cost 0-3% and saved a few MB).  GPU: never -- a wait per
+    once, several times the memory of one layer at a time, for no gain in speed.  Smaller
+    calls stay one graph: there the wait at each layer costs more than the memory it saves.
+    GPU: never -- a wait per
     layer would leave the device idle while the host queues the next layer's kernels.
     """
     return 256 if _kind(device) == "cpu" else 0
 
 
-_MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
-_allocator_tuned = None
-
-
 def retain_freed_memory(device=None) -> bool:
-    """CPU policy on glibc: keep freed memory in the process instead of handing it back.
-
-    A step allocates and frees the same large activations (a 32-slot LM head writes
-    19 MB of logits; a 1024-token prefill 25 MB per MLP) over and over.  By default glibc
-    returns the freed top of the heap to the system and the next step faults the pages
-    back in, zeroed by the kernel: ~100k page faults per 32 x 32-token prefill of a
-    0.6B model, 9% of its time, and ~3% of a decode step.  Allocations up to 32 MiB are
-    kept on the heap, and up to 1 GiB of free heap is retained.  Applied once, on CPU,
-    unless the process sets glibc's malloc tuning itself (``MALLOC_*_`` or
-    ``GLIBC_TUNABLES``).  Returns whether the setting is in force.
-    """
-    global _allocator_tuned
-    if _allocator_tuned is None:
-        _allocator_tuned = False
-        if (_kind(device) == "cpu" and sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
-                and not any(os.environ.get(v) for v in _MALLOC_ENV)):
-            libc = ctypes.CDLL(None)
-            M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-            _allocator_tuned = bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-                                    and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
-    return _allocator_tuned
+    """CPU policy on glibc: keep freed memory in the process instead of handing it back
+    (:mod:`slotinfer.cpu.allocator` says why).  Returns whether the setting is in force."""
+    return _kind(device) == "cpu" and allocator.retain_freed_memory()
 
 
 def keep_quantized(device=None, override: bool | None = None) -> bool:
@@ -163,10 +145,10 @@ def describe() -> dict:
     return {
         "mlx": mx.__version__,
         "device": device,
-        "blas": dataclasses.asdict(_blas.ensure_blas()),
+        "blas": dataclasses.asdict(blas.ensure_blas()),
         "compute_dtype_for_bfloat16": dtype_name(compute_dtype(mx.bfloat16, device)),
         "keep_quantized": keep_quantized(device),
-        "retain_freed_memory": bool(_allocator_tuned),
+        "retain_freed_memory": allocator.in_force(),
         "prefill_by_layer_from_tokens": prefill_by_layer(device),
         "cpu_count": os.cpu_count(),
     }

@@ -30,14 +30,58 @@ from .slots import SlotTable
 _ids = itertools.count(1)
 
 
+@dataclass(frozen=True)
+class _Row:
+    """One running item's part in a decode step in flight."""
+
+    slot: int
+    item: Item
+    first: bool  # its Encoder token travels back with this step
+    decoded: bool  # the step computed a token for it
+
+
 @dataclass
 class _Issued:
-    """A decode step in flight: what it computed and for whom."""
+    """A decode step in flight: what it computed and for whom.
 
-    packed: mx.array  # [2 or more, b]: input tokens, output tokens (+ logprobs)
-    rows: list[tuple[int, Item, bool, bool]]  # (slot, item, carries its Encoder token, decoded a token)
+    ``packed`` stacks, in this order, each slot's input token (for a row just prefilled:
+    the Encoder's first token), the step's output token, and with logprobs their
+    logprobs (output's, then input's), so the host copies the step once.  ``extra`` holds
+    top-n ids and values: the output's, then the input's.
+    """
+
+    packed: mx.array
+    rows: list[_Row]
     top_n: int
     extra: list
+
+    def to_host(self) -> "_OnHost":
+        """The one device-to-host copy of the step."""
+        host = np.array(self.packed)
+        tops = [np.array(a) for a in self.extra] if self.top_n > 0 else None
+        lp = self.top_n >= 0
+        return _OnHost(first=host[0], token=host[1], logprob=host[2] if lp else None,
+                       first_logprob=host[3] if lp else None, top=tops[0:2] if tops else None,
+                       first_top=tops[2:4] if tops else None)
+
+
+@dataclass
+class _OnHost:
+    """A step's results on the host, ``[b]`` arrays indexed by slot."""
+
+    first: np.ndarray  # the token each slot fed in: the Encoder's first for rows that carry it
+    token: np.ndarray  # the token the step produced
+    logprob: np.ndarray | None
+    first_logprob: np.ndarray | None
+    top: list | None  # [ids, values], each [b, n]
+    first_top: list | None
+
+    def accepted(self, slot: int, first: bool):
+        """(token, logprob or None, top-n pairs or None) of ``slot``'s first or decoded token."""
+        token, lp, top = (self.first, self.first_logprob, self.first_top) if first else \
+            (self.token, self.logprob, self.top)
+        return (int(token[slot]), None if lp is None else float(lp[slot]),
+                None if top is None else list(zip(top[0][slot].tolist(), top[1][slot].tolist())))
 
 
 class Engine:
@@ -197,7 +241,7 @@ class Engine:
         packed = [tokens_in.astype(mx.float32), nxt.astype(mx.float32)]
         if top_n >= 0:
             packed += [extra[0], fx[0] if fx else mx.zeros((self.slots,))]
-        rows = [(it.slot, it, id(it) in first_set, id(it) in needed_set) for it in running]
+        rows = [_Row(it.slot, it, id(it) in first_set, id(it) in needed_set) for it in running]
         issued = _Issued(mx.stack(packed), rows, top_n, [])
         if top_n > 0:
             issued.extra = [*extra[1:], *(fx[1:] if fx else extra[1:])]
@@ -212,22 +256,17 @@ class Engine:
         return issued
 
     def _process(self, issued: _Issued):
-        host = np.array(issued.packed)  # the one device-to-host copy of the step
-        tops = [np.array(a) for a in issued.extra] if issued.top_n > 0 else None
-        for slot, item, first, decoded in issued.rows:
-            if item.state != "running" or item.slot != slot:
+        host = issued.to_host()
+        for row in issued.rows:
+            item = row.item
+            if item.state != "running" or item.slot != row.slot:
                 continue  # finished (or cancelled) while this step was in flight
-            if first:
-                lp = float(host[3, slot]) if issued.top_n >= 0 else None
-                top = _top(tops, 2, 3, slot) if tops else None
-                if self.items.accept(item, int(host[0, slot]), lp, top):
-                    continue
-            if not decoded:
+            if row.first and self.items.accept(item, *host.accepted(row.slot, first=True)):
                 continue
-            lp = float(host[2, slot]) if issued.top_n >= 0 else None
-            top = _top(tops, 0, 1, slot) if tops else None
+            if not row.decoded:
+                continue
             self.counters["decode_tokens"] += 1
-            self.items.accept(item, int(host[1, slot]), lp, top)
+            self.items.accept(item, *host.accepted(row.slot, first=False))
 
     def fail_all(self, error: BaseException):
         """The device step itself failed: end every item in flight with the cause."""
@@ -265,10 +304,6 @@ def _spread(a, slots, b):
     out = mx.zeros((b, *a.shape[1:]), dtype=a.dtype)
     out[slots] = a
     return out
-
-
-def _top(tops, ids_i, vals_i, slot):
-    return list(zip(tops[ids_i][slot].tolist(), tops[vals_i][slot].tolist()))
 
 
 def _leaves(tree, prefix=""):

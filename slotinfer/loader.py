@@ -85,7 +85,7 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
     check_weights(cfg, weights, quant)
     weights = _prepare(cfg, weights, quant, compute, keep_q)
 
-    net = Transformer(cfg, own_math=device.own_elementwise(), split=device.attention_split())
+    net = Transformer(cfg, device.model_ops())
     kept = {name.rsplit(".", 1)[0]: quant[name.rsplit(".", 1)[0]] for name in weights if name.endswith(".scales")}
     if kept:
         nn.quantize(net, class_predicate=lambda p, m: kept.get(p, False))

@@ -1,4 +1,4 @@
-"""BLAS loading (slotinfer._blas) and the device policy (slotinfer.device).
+"""BLAS loading (slotinfer.cpu.blas) and the device policy (slotinfer.device).
 
 The BLAS is chosen once per process, so every SLOTINFER_BLAS case runs in a
 fresh interpreter.
@@ -6,12 +6,12 @@ fresh interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import glob
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -45,8 +45,8 @@ def _py(code: str, blas: str | None = None, **extra: str) -> dict:
 
 
 def _installed() -> dict[str, bool]:
-    """Which BLAS options are present, found independently of slotinfer._blas."""
-    shim = bool(shutil.which("cc") or glob.glob(os.path.join(ROOT, "slotinfer", "_blas_shim*.so")))
+    """Which BLAS options are present, found independently of slotinfer.cpu.blas."""
+    shim = bool(glob.glob(os.path.join(ROOT, "slotinfer", "cpu", "_blas_shim*.so")))  # built at install time
     np_dir = os.path.dirname(os.path.dirname(importlib.util.find_spec("numpy").origin))
     return {
         "openblas-scipy": shim and importlib.util.find_spec("scipy_openblas32") is not None,
@@ -62,7 +62,7 @@ with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     {pre}
     import slotinfer
-    slotinfer._blas.ensure_blas()  # idempotent: no second warning
+    slotinfer.cpu.blas.ensure_blas()  # idempotent: no second warning
 msgs = [str(m.message) for m in w if "BLAS" in str(m.message)]
 print(json.dumps({{"name": slotinfer.BLAS.name, "optimized": slotinfer.BLAS.optimized, "warnings": msgs}}))
 """
@@ -123,6 +123,7 @@ def test_mlx_imported_first_warns_once():
     out = _py(_IMPORT_RECORDING.format(pre="import mlx.core"))
     assert out["optimized"] is False
     assert len(out["warnings"]) == 1 and "import slotinfer first" in out["warnings"][0]
+    assert "pip install" not in out["warnings"][0]  # the BLAS is installed; the order is what to fix
 
 
 @pytest.mark.skipif(not LINUX, reason="Linux only")
@@ -160,13 +161,13 @@ def test_thread_count():
     name, default = _py(code)
     if name not in OPTIONS:
         pytest.skip("no optimized BLAS loaded")
-    assert default == slotinfer._blas.usable_cores()
+    assert default == slotinfer.cpu.blas.usable_cores()
     assert _py(code, SLOTINFER_BLAS_THREADS="1")[1] == 1
     assert _py(code, OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")[1] == 1
 
 
 def test_ensure_blas_is_idempotent():
-    assert slotinfer._blas.ensure_blas() is slotinfer.BLAS
+    assert slotinfer.cpu.blas.ensure_blas() is slotinfer.BLAS
 
 
 # -- device policy ------------------------------------------------------------
@@ -275,13 +276,31 @@ def test_describe():
 
 SHIM = bool(slotinfer.BLAS.note and "shim" in slotinfer.BLAS.note)
 needs_shim = pytest.mark.skipif(not SHIM, reason="the BLAS is not loaded through slotinfer's shim")
+# Every property of the shim's loops holds on both kernel sets: the AVX2+FMA one this CPU
+# may run and the portable one that any other CPU runs.
+kernel_sets = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+
+
+@contextlib.contextmanager
+def kernels(portable: bool):
+    assert slotinfer.cpu.blas.use_portable_kernels(portable) == portable or not portable
+    try:
+        yield
+    finally:
+        slotinfer.cpu.blas.use_portable_kernels(False)
 
 
 @needs_shim
+@kernel_sets
 @given(m=st.integers(1, 9), n=st.integers(1, 300), k=st.integers(1, 140), batch=st.integers(1, 3),
        ta=st.booleans(), tb=st.booleans(), seed=st.integers(0, 2**16))
-def test_small_products_match_numpy(m, n, k, batch, ta, tb, seed):
+def test_small_products_match_numpy(portable, m, n, k, batch, ta, tb, seed):
     """Every operand layout MLX hands to cblas_sgemm (strided batches, transposed views)."""
+    with kernels(portable):
+        _small_product(m, n, k, batch, ta, tb, seed)
+
+
+def _small_product(m, n, k, batch, ta, tb, seed):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((batch, k, m) if ta else (batch, m, k)).astype(np.float32)
     b = rng.standard_normal((batch, n, k) if tb else (batch, k, n)).astype(np.float32)
@@ -296,9 +315,10 @@ def test_small_products_match_numpy(m, n, k, batch, ta, tb, seed):
 
 
 @needs_shim
+@kernel_sets
 @given(g=st.integers(1, 8), d=st.sampled_from([16, 64, 128]), live=st.integers(1, 150), pad=st.integers(1, 100),
        seed=st.integers(0, 2**16))
-def test_small_products_do_not_depend_on_padding(g, d, live, pad, seed):
+def test_small_products_do_not_depend_on_padding(portable, g, d, live, pad, seed):
     """A decode step's attention products over a padded span give bit-identical live entries:
     scores of live keys do not change with more columns, and zero weights on padded
     rows of V add nothing.  (This is what lets a slot's answer ignore its neighbours.)
@@ -306,22 +326,29 @@ def test_small_products_do_not_depend_on_padding(g, d, live, pad, seed):
     rng = np.random.default_rng(seed)
     q = mx.array(rng.standard_normal((g, d)).astype(np.float32))
     keys = mx.array(rng.standard_normal((live + pad, d)).astype(np.float32))
-    short, long = q @ keys[:live].T, q @ keys.T
-    assert np.array_equal(np.array(short), np.array(long[:, :live]))
-    p = mx.softmax(short, axis=-1)
-    padded = mx.concatenate([p, mx.zeros((g, pad))], axis=1)
-    assert np.array_equal(np.array(p @ keys[:live]), np.array(padded @ keys))
+    with kernels(portable):
+        short, long = q @ keys[:live].T, q @ keys.T
+        assert np.array_equal(np.array(short), np.array(long[:, :live]))
+        p = mx.softmax(short, axis=-1)
+        padded = mx.concatenate([p, mx.zeros((g, pad))], axis=1)
+        assert np.array_equal(np.array(p @ keys[:live]), np.array(padded @ keys))
 
 
 @needs_shim
+@kernel_sets
 @given(m=st.integers(2, 64), n=st.integers(1, 700), k=st.sampled_from([64, 200, 1024]), seed=st.integers(0, 2**16),
        data=st.data())
-def test_weight_products_match_numpy_and_ignore_other_rows(m, n, k, seed, data):
+def test_weight_products_match_numpy_and_ignore_other_rows(portable, m, n, k, seed, data):
     """[rows, k] @ W.T with W stored [n, k] (a linear layer): 2..64 rows go through the
     shim's threaded loops.  Right to float tolerance, and each row's result is bit-identical
     whichever other rows share the call -- a slot's logits do not depend on its neighbours.
     (Calls of 8 rows or more take the outer form, fewer the dot form: the identity holds
     between calls of the same form, which a decode step's fixed row count always is.)"""
+    with kernels(portable):
+        _weight_product(m, n, k, seed, data)
+
+
+def _weight_product(m, n, k, seed, data):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -333,3 +360,54 @@ def test_weight_products_match_numpy_and_ignore_other_rows(m, n, k, seed, data):
     r = data.draw(st.integers(0, m - size), label="first row")
     sub = np.array(mx.array(x[r:r + size]) @ mw.T)
     assert np.array_equal(sub, got[r:r + size])
+
+
+_FORK = """
+import ctypes, json, os, signal, sys
+import numpy as np
+import slotinfer
+from slotinfer.cpu import blas
+shim = ctypes.CDLL(blas.shim_path())  # the object already serving MLX
+shim.cblas_sgemm.restype = None
+m, n, k = 16, 512, 1024  # a linear layer's product: the shim's threaded loops
+rng = np.random.default_rng(0)
+x = rng.standard_normal((m, k)).astype(np.float32)
+w = rng.standard_normal((n, k)).astype(np.float32)
+def product():
+    c = np.full((m, n), np.nan, dtype=np.float32)
+    f = ctypes.POINTER(ctypes.c_float)
+    shim.cblas_sgemm(101, 111, 112, m, n, k, ctypes.c_float(1.0), x.ctypes.data_as(f), k,
+                     w.ctypes.data_as(f), k, ctypes.c_float(0.0), c.ctypes.data_as(f), n)
+    return c
+before = product()  # starts the pool's workers
+pid = os.fork()
+if pid == 0:  # the workers did not come along: the child must start its own, not wait on them
+    signal.alarm(60)
+    os._exit(0 if all(np.array_equal(product(), before) for _ in range(3)) else 1)
+_, status = os.waitpid(pid, 0)
+want = x.astype(np.float64) @ w.astype(np.float64).T
+print(json.dumps({"child": os.waitstatus_to_exitcode(status), "parent_again": bool(np.array_equal(product(), before)),
+                  "close": bool(np.abs(before - want).max() < 1e-3), "note": slotinfer.BLAS.note}))
+"""
+
+
+@needs_shim
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_shim_products_survive_fork(threads):
+    """A process that forks after the shim's thread pool has started (a DataLoader, a
+    multiprocessing worker) gets the same products in the child, which starts its own
+    workers, and in the parent, whose workers go on."""
+    got = _py(_FORK, SLOTINFER_BLAS_THREADS=threads)
+    assert "shim" in got["note"]
+    assert got == {**got, "child": 0, "parent_again": True, "close": True}
+
+
+def test_import_writes_no_file(tmp_path):
+    """Importing slotinfer and loading its BLAS compiles nothing and writes nothing: the shim is
+    built at install time, and no cache folder appears in the user's home."""
+    home = tmp_path / "home"
+    home.mkdir()
+    out = _py("import json, slotinfer; print(json.dumps({'note': slotinfer.BLAS.note}))",
+              HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), CC=str(tmp_path / "no-compiler"))
+    assert "note" in out
+    assert list(home.rglob("*")) == []

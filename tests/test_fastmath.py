@@ -1,4 +1,4 @@
-"""The CPU policy's elementwise math (slotinfer.models.fastmath) against float64 references.
+"""The CPU policy's elementwise math (slotinfer.cpu.fastmath) against float64 references.
 
 The model's outputs are checked against transformers in test_parity_transformers; here each
 function is held to its stated accuracy over its whole input range, including the edges a
@@ -17,8 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from slotinfer import _blas, device
-from slotinfer.models import fastmath
+from slotinfer import device
+from slotinfer.cpu import blas as _blas
+from slotinfer.cpu import fastmath
+from slotinfer.cpu.ops import MLX_OPS, Ops, cpu_ops
 from slotinfer.models.transformer import attend, attend_split
 
 # Both forms of the polynomial: Estrin's (the softmax's) and Horner's (the activations').
@@ -80,8 +82,8 @@ def test_attention_with_own_softmax_matches_mlx_kernel(b, heads, L, extra):
     v = mx.array(rng.standard_normal((b, kvh, S, 16), dtype=np.float32))
     mask = mx.array(rng.random((b, 1, L, S)) < 0.7) | (mx.arange(S) == 0)
     for m in (None, "causal", mask):
-        ours = attend(q, k, v, 0.25, m, None, own_math=True)
-        ref = attend(q, k, v, 0.25, m, None, own_math=False)
+        ours = attend(q, k, v, 0.25, m, None, cpu_ops())
+        ref = attend(q, k, v, 0.25, m, None, MLX_OPS)
         assert np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
@@ -97,8 +99,9 @@ def test_attention_split_over_streams_is_exact(b, split, heads, S, softcap, own_
     v = mx.array(rng.standard_normal((b, kvh, S, 16), dtype=np.float32))
     per_row = mx.array(rng.random((b, 1, 1, S)) < 0.7) | (mx.arange(S) == 0)
     for m in (None, per_row, per_row[:1]):
-        whole = attend(q, k, v, 0.25, m, softcap, own_math)
-        parts = attend_split(q, k, v, 0.25, m, softcap, own_math, split)
+        ops = cpu_ops() if own_math else MLX_OPS
+        whole = attend(q, k, v, 0.25, m, softcap, ops)
+        parts = attend_split(q, k, v, 0.25, m, softcap, ops, split)
         assert np.array_equal(np.asarray(parts), np.asarray(whole))
 
 
@@ -127,14 +130,25 @@ def test_policy_uses_own_math_on_cpu_only():
     assert device.own_elementwise("gpu") is False
 
 
+def test_model_ops_follow_the_device_policy(monkeypatch):
+    """The model gets one ops object: the CPU's own kernels and split attention on CPU,
+    MLX's kernels on GPU; SLOTINFER_OWN_MATH=0 keeps MLX's kernels on CPU but not the split."""
+    monkeypatch.setenv("SLOTINFER_ATTENTION_STREAMS", "3")
+    monkeypatch.delenv("SLOTINFER_OWN_MATH", raising=False)
+    cpu, gpu = device.model_ops("cpu"), device.model_ops("gpu")
+    assert isinstance(cpu, Ops) and cpu.name == "cpu" and not cpu.fused_attention and cpu.attention_streams == 3
+    assert gpu is MLX_OPS and gpu.fused_attention and gpu.attention_streams == 1
+    monkeypatch.setenv("SLOTINFER_OWN_MATH", "0")
+    plain = device.model_ops("cpu")
+    assert plain.rms_norm is MLX_OPS.rms_norm and plain.fused_attention and plain.attention_streams == 3
+
+
 @given(arrays(np.float32, st.integers(1, 200), elements=st.floats(-30.0, 30.0, **F32)))
 def test_gelu_tanh_as_sigmoid_matches_float64(g):
-    from slotinfer.models.transformer import _gelu_tanh_mul, _own_gelu_tanh_mul
-
     one = mx.ones(g.shape)
     g64 = g.astype(np.float64)
     want = 0.5 * g64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64**3)))
-    for f in (_own_gelu_tanh_mul, _gelu_tanh_mul):
+    for f in (cpu_ops().gelu_tanh_mul, MLX_OPS.gelu_tanh_mul):
         got = np.asarray(f(mx.array(g), one)).astype(np.float64)
         assert np.allclose(got, want, rtol=2e-6, atol=1e-6)
 
@@ -155,8 +169,8 @@ def test_prefill_attention_whose_sums_come_from_a_product_matches_mlx_kernel(L, 
     v = mx.array(rng.standard_normal((1, kvh, S, 16), dtype=np.float32))
     causal = mx.arange(S)[None] <= (mx.arange(L) + S - L)[:, None]
     for m in (causal[None, None], "causal"):
-        ours = attend(q, k, v, 0.25, m, None, own_math=True)
-        ref = attend(q, k, v, 0.25, m, None, own_math=False)
+        ours = attend(q, k, v, 0.25, m, None, cpu_ops())
+        ref = attend(q, k, v, 0.25, m, None, MLX_OPS)
         assert np.allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 

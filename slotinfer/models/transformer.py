@@ -15,6 +15,10 @@ Attention context protocol::
 Projections are fused at load time (q|k|v into ``qkv_proj``, gate|up into
 ``gate_up_proj``): fewer, larger matmuls keep the BLAS busy on CPU.  So are Qwen 3's and
 Gemma 3's q and k norms, into one per-head ``qk_norm``: fewer MLX ops per layer.
+
+Which kernels the elementwise steps and attention run on is not decided here: the model
+takes one :class:`~slotinfer.cpu.ops.Ops` (MLX's own by default; the CPU policy's from
+:func:`slotinfer.device.model_ops`).
 """
 
 from __future__ import annotations
@@ -25,24 +29,18 @@ import threading
 import mlx.core as mx
 import mlx.nn as nn
 
-from .._compile import ThreadCompiled
-from . import fastmath
+from ..cpu.ops import MLX_OPS, Ops
 from .config import ModelConfig, Rope
-
-
-def _rms_norm_of(own_math: bool):
-    """The CPU policy's RMSNorm (its per-row scale computed once per row) or MLX's fused one."""
-    return fastmath.rms_norm if own_math else mx.fast.rms_norm
 
 
 class RMSNorm(nn.Module):
     """RMSNorm; Gemma's (1 + w) offset is folded into ``weight`` by the loader."""
 
-    def __init__(self, dims: int, eps: float, own_math: bool = False):
+    def __init__(self, dims: int, eps: float, ops: Ops = MLX_OPS):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps = eps
-        self._rms_norm = _rms_norm_of(own_math)
+        self._rms_norm = ops.rms_norm
 
     def __call__(self, x):
         return self._rms_norm(x, self.weight, self.eps)
@@ -53,11 +51,11 @@ class HeadNorm(nn.Module):
     (Qwen 3, Gemma 3) normed as one tensor.  The loader lays the checkpoint's ``q_norm`` weight
     on the query heads and ``k_norm``'s on the key heads."""
 
-    def __init__(self, heads: int, dims: int, eps: float, own_math: bool = False):
+    def __init__(self, heads: int, dims: int, eps: float, ops: Ops = MLX_OPS):
         super().__init__()
         self.weight = mx.ones((heads, dims))
         self.eps = eps
-        self._rms_norm = _rms_norm_of(own_math)
+        self._rms_norm = ops.rms_norm
 
     def __call__(self, x):
         return self._rms_norm(x, None, self.eps) * self.weight
@@ -107,7 +105,7 @@ def cpu_streams(n: int) -> tuple:
     return got[:n]
 
 
-def attend_split(q, k, v, scale: float, mask, softcap: float | None, own_math: bool, split: int):
+def attend_split(q, k, v, scale: float, mask, softcap: float | None, ops: Ops, split: int):
     """:func:`attend` with the batch split into ``split`` parts on concurrent CPU streams
     (plain :func:`attend` when ``split`` or the batch is below 2).
 
@@ -119,24 +117,24 @@ def attend_split(q, k, v, scale: float, mask, softcap: float | None, own_math: b
     B = q.shape[0]
     n = min(split, B)
     if n < 2:
-        return attend(q, k, v, scale, mask, softcap, own_math)
+        return attend(q, k, v, scale, mask, softcap, ops)
     cuts = [B * i // n for i in range(n + 1)]
     per_row = isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[0] == B
     outs = []
     for s, lo, hi in zip(cpu_streams(n), cuts, cuts[1:]):
         with mx.stream(s):
             outs.append(attend(q[lo:hi], k[lo:hi], v[lo:hi], scale, mask[lo:hi] if per_row else mask, softcap,
-                               own_math))
+                               ops))
     return mx.concatenate(outs, axis=0)
 
 
-def attend(q, k, v, scale: float, mask, softcap: float | None, own_math: bool = False):
+def attend(q, k, v, scale: float, mask, softcap: float | None, ops: Ops = MLX_OPS):
     """Softmax attention with grouped-query heads.
 
-    Soft-capped scores (Gemma 2) and ``own_math`` (the CPU policy: :mod:`.fastmath`'s
+    Soft-capped scores (Gemma 2) and ops without ``fused_attention`` (the CPU policy's
     softmax) take the explicit path; otherwise MLX's fused kernel.
     """
-    if softcap is None and not own_math:
+    if softcap is None and ops.fused_attention:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, H, L, D = q.shape
     kvh, S = k.shape[1], k.shape[2]
@@ -150,29 +148,28 @@ def attend(q, k, v, scale: float, mask, softcap: float | None, own_math: bool = 
         mask = mask if mask.ndim < 4 else mx.expand_dims(mask, 2)
         scores = mx.where(mask, scores, -mx.inf)
     v = mx.expand_dims(v, 2)
-    if own_math and L > 1 and S >= _SUM_BY_PRODUCT:
+    if ops.shifted_exp is not None and L > 1 and S >= _SUM_BY_PRODUCT:
         # A prefill's scores are L x S per head: each elementwise pass over them costs more than
         # a product.  The unnormalized weights go through the value product as they are, and the
         # row sums come from one more product with a column of ones; the division then acts on
         # L x D outputs instead of L x S weights.
-        e = _shifted_exp(scores)
+        e = ops.shifted_exp(scores)
         return ((e @ v) / (e @ mx.ones((S, 1), dtype=e.dtype))).reshape(B, H, L, D)
-    probs = _softmax(scores) if own_math else mx.softmax(scores, axis=-1, precise=True)
+    probs = ops.softmax(scores)
     return (probs @ v).reshape(B, H, L, D)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, own_math: bool = False, split: int = 1):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops = MLX_OPS):
         super().__init__()
         self.layer = layer
-        self.own_math = own_math
-        self.split = split
+        self.ops = ops
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attn_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         heads = cfg.num_heads + cfg.num_kv_heads
-        self.qk_norm = HeadNorm(heads, cfg.head_dim, cfg.rms_norm_eps, own_math) if cfg.qk_norm else None
+        self.qk_norm = HeadNorm(heads, cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.rope = RoPE(cfg.rope_for(layer), cfg.head_dim)
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
@@ -192,50 +189,20 @@ class Attention(nn.Module):
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
         v = v.reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         k, v = ctx.update(self.layer, k, v)
-        split = self.split if L == 1 else 1  # a decode step reads every slot's K/V: split over streams
-        out = attend_split(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap,
-                           self.own_math, split)
+        split = self.ops.attention_streams if L == 1 else 1  # a decode step reads every slot's K/V
+        out = attend_split(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap, self.ops, split)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-@ThreadCompiled
-def _silu_mul(g, u):
-    return nn.silu(g) * u
-
-
-@ThreadCompiled
-def _own_silu_mul(g, u):
-    return fastmath.silu(g) * u
-
-
-def _gelu_arg(g):  # gelu_tanh(g) = 0.5 g (1 + tanh(a))
-    return math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)
-
-
-@ThreadCompiled
-def _gelu_tanh_mul(g, u):
-    return 0.5 * g * (1.0 + mx.tanh(_gelu_arg(g))) * u
-
-
-@ThreadCompiled
-def _own_gelu_tanh_mul(g, u):  # 0.5 (1 + tanh(a)) = sigmoid(2a)
-    return fastmath.sigmoid(2.0 * _gelu_arg(g)) * g * u
-
-
-_softmax = ThreadCompiled(fastmath.softmax)
-_shifted_exp = ThreadCompiled(fastmath.shifted_exp)
 _SUM_BY_PRODUCT = 128  # key span from which a prefill's softmax sums come from a product
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, own_math: bool = False):
+    def __init__(self, cfg: ModelConfig, ops: Ops = MLX_OPS):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        if cfg.activation == "gelu_tanh":
-            self.act = _own_gelu_tanh_mul if own_math else _gelu_tanh_mul
-        else:
-            self.act = _own_silu_mul if own_math else _silu_mul
+        self.act = ops.gelu_tanh_mul if cfg.activation == "gelu_tanh" else ops.silu_mul
 
     def __call__(self, x):
         g, u = mx.split(self.gate_up_proj(x), 2, axis=-1)
@@ -243,17 +210,17 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, own_math: bool = False, split: int = 1):
+    def __init__(self, cfg: ModelConfig, layer: int, ops: Ops = MLX_OPS):
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = Attention(cfg, layer, own_math, split)
-        self.mlp = MLP(cfg, own_math)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, own_math)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, own_math)
+        self.self_attn = Attention(cfg, layer, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, own_math)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, own_math)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
 
     def __call__(self, x, ctx):
         if self.sandwich:  # Gemma: norm around both sub-blocks
@@ -263,12 +230,14 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig, own_math: bool = False, split: int = 1):
+class LayerStack(nn.Module):
+    """Embedding, blocks and final norm, under the checkpoints' own ``model.`` names."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops = MLX_OPS):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = [Block(cfg, i, own_math, split) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, own_math)
+        self.layers = [Block(cfg, i, ops) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 def layer_by_layer(kv, tokens: int, threshold: int):
@@ -287,16 +256,14 @@ def layer_by_layer(kv, tokens: int, threshold: int):
 class Transformer(nn.Module):
     """Token ids -> final hidden states; :meth:`head` turns hidden states into logits.
 
-    ``own_math``: activations and attention softmax from :mod:`.fastmath` (the CPU policy of
-    :func:`slotinfer.device.own_elementwise`) instead of MLX's kernels.  ``split``: decode
-    attention split over this many concurrent CPU streams (the CPU policy of
-    :func:`slotinfer.device.attention_split`).
+    ``ops``: the kernels of its elementwise steps and attention (:class:`~slotinfer.cpu.ops.Ops`;
+    :func:`slotinfer.device.model_ops` gives the device policy's).
     """
 
-    def __init__(self, cfg: ModelConfig, own_math: bool = False, split: int = 1):
+    def __init__(self, cfg: ModelConfig, ops: Ops = MLX_OPS):
         super().__init__()
         self.config = cfg
-        self.model = Decoder(cfg, own_math, split)
+        self.model = LayerStack(cfg, ops)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

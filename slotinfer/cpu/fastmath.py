@@ -1,13 +1,12 @@
 """Elementwise math for the CPU device policy.
 
 MLX's x86 CPU build evaluates ``exp`` one element at a time, each polynomial step a call
-into libm's ``fmaf``: 15-21 ns per element on the 2-core EPYC of docs/benchmarks.md,
-which makes exp the largest single cost of a prefill (softmax over L x L scores) and of a
-decode step's MLP activation.  :func:`exp` below is the same function written as MLX
-arithmetic -- Cody-Waite range reduction by ln 2, the degree-6 polynomial of the Cephes
-``expf``, and 2^n built in the exponent bits -- which compiles into fused kernels without
-calls: ~2.3 ns per element over a prefill's 8 x 512 x 512 scores, with a relative error
-under 1e-7 (``mx.exp`` here: 4e-6).  Inputs below -86.99 give exactly 0 (so masked scores
+into libm's ``fmaf``, which makes exp the largest single cost of a prefill (softmax over
+L x L scores) and of a decode step's MLP activation.  :func:`exp` below is the same
+function written as MLX arithmetic -- Cody-Waite range reduction by ln 2, the degree-6
+polynomial of the Cephes ``expf``, and 2^n built in the exponent bits -- which compiles
+into fused kernels without calls, several times faster, with a relative error under 1e-7
+(``mx.exp`` here: 4e-6; docs/notes/benchmarks-history.md has the measurements).  Inputs below -86.99 give exactly 0 (so masked scores
 drop out exactly); inputs above 88 are clamped; NaN stays NaN.
 
 GPU kernels have a fast ``exp`` of their own; :mod:`slotinfer.device` decides which is used.
@@ -31,8 +30,7 @@ def exp(x: mx.array, *, estrin: bool = True) -> mx.array:
     bits, which are +0.0, instead of a last ``where`` on ``x``.  The polynomial is in
     Estrin's form (depth 4) or Horner's (depth 12); they round alike but MLX splits them into
     kernels differently, and which is faster depends on the graph around them: Estrin's in a
-    softmax (1.45x the earlier form over a prefill's scores), Horner's in the MLP's
-    activation (1.55x).  See docs/benchmarks.md.
+    softmax, Horner's in the MLP's activation.
     """
     c = mx.clip(x, -87.0, 88.0)
     n = (c * _LOG2E + _ROUND) - _ROUND
@@ -71,11 +69,10 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last axis, as MLX's CPU fallback computes it.
 
     In a compiled graph MLX fuses the per-row ``rsqrt`` into the kernel that scales ``x``,
-    which then evaluates it once per *element* (a scalar square root and division each):
-    ~7 ns per element, the costliest elementwise kernel of a decode step.  Passing the
-    per-row scale through ``view`` ends a kernel there (see :func:`exp`), so it is computed
-    once per row and the scaling kernel only multiplies: ~2x faster, with the same result
-    bit for bit.  Other dtypes than float32 (which MLX normalizes in float32) go to
+    which then evaluates it once per *element* (a scalar square root and division each),
+    the costliest elementwise kernel of a decode step.  Passing the per-row scale through
+    ``view`` ends a kernel there (see :func:`exp`), so it is computed once per row and the
+    scaling kernel only multiplies, with the same result bit for bit.  Other dtypes than float32 (which MLX normalizes in float32) go to
     ``mx.fast.rms_norm``.
     """
     if x.dtype != mx.float32:

@@ -4,7 +4,7 @@
  * fastest OpenBLAS builds on PyPI (scipy-openblas32, numpy's bundled copy)
  * export only prefixed names (scipy_cblas_sgemm, scipy_cblas_sgemm64_), so
  * loading them globally interposes nothing.  This file exports the names MLX
- * looks up and forwards to the real functions, which slotinfer._blas resolves
+ * looks up and forwards to the real functions, which slotinfer/cpu/blas.py resolves
  * at runtime through slotinfer_shim_init(): no build-time paths are baked in.
  *
  * It also sends single-row / single-column sgemm (a decode step with one
@@ -117,6 +117,19 @@ static void pick_kernels(void) {
     tn_cols = tn_cols_avx2;
   }
 #endif
+}
+
+/* Which kernels the loops run: 1 the AVX2+FMA ones where the CPU has them (the default
+ * after init), 0 the portable ones (plain C vectors, any CPU).  Returns whether the AVX2
+ * ones are now in use.  The tests hold both to the same properties; not for use while
+ * another thread is inside a product. */
+int slotinfer_shim_kernels(int fast) {
+  nt_cols = nt_cols_base;
+  nn_small = nn_small_base;
+  tn_pack = tn_pack_base;
+  tn_cols = tn_cols_base;
+  if (fast) pick_kernels();
+  return nt_cols != nt_cols_base;
 }
 
 /* -- threads -------------------------------------------------------------- */

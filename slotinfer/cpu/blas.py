@@ -3,19 +3,19 @@
 The ``mlx[cpu]`` Linux wheel links a bundled reference BLAS, and its f32
 matmul (every Linear layer) goes through ``cblas_sgemm``.  A library exporting
 that symbol, loaded with ``RTLD_GLOBAL`` before ``mlx.core`` is imported, wins
-symbol resolution and makes those matmuls 8-55x faster.  Loading it after the
-import does not help (measured), hence ``slotinfer/__init__`` calls
-:func:`ensure_blas` first.
+symbol resolution and makes those matmuls fast.  Loading it after the import
+does not help, hence ``slotinfer/__init__`` calls :func:`ensure_blas` first.
 
 ``SLOTINFER_BLAS`` picks the library: ``none``, ``openblas-scipy``,
 ``openblas-numpy``, ``openblas-system``, ``mkl`` or an absolute path to a
 library exporting ``cblas_sgemm``; unset means the fastest available, in the
-order of :data:`AUTO_ORDER` (measured in ``docs/blas.md``).  OpenBLAS goes
-through a tiny C shim (``_blas_shim.c``, built at install time or compiled on
-first use): the PyPI builds export only prefixed symbols, and the shim sends
-one-row products to gemv, 2-3x faster than OpenBLAS's gemm there.
-``SLOTINFER_BLAS_THREADS`` sets the thread count (default: usable physical
-cores).
+order of :data:`AUTO_ORDER` (``docs/blas.md`` says why).  OpenBLAS goes through
+a small C shim (``_blas_shim.c``): the PyPI builds export only prefixed symbols,
+the shim sends one-row products to gemv, and it computes small products itself
+(its batch-invariance contract is in ``docs/blas.md``).  The shim is built when
+slotinfer is installed (``setup.py``); importing slotinfer never compiles
+anything nor writes a file.  ``SLOTINFER_BLAS_THREADS`` sets the thread count
+(default: usable physical cores).
 """
 
 from __future__ import annotations
@@ -23,22 +23,18 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import glob
-import hashlib
 import importlib.util
 import os
-import platform
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 
+from .. import settings
+
 AUTO_ORDER = ("openblas-scipy", "openblas-numpy", "openblas-system", "mkl")
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_HOWTO = ("`pip install scipy-openblas32` (plus a C compiler for its shim) or "
-          "`apt-get install libopenblas0-pthread`")
+_HOWTO = ("`pip install scipy-openblas32` and reinstall slotinfer with a C compiler at hand "
+          "(its shim is built at install time), or `apt-get install libopenblas0-pthread`")
 
 
 @dataclass(frozen=True)
@@ -66,10 +62,12 @@ def ensure_blas() -> BlasInfo:
     return _info
 
 
-def _reference(why: str) -> BlasInfo:
+def _reference(why: str, fix: str | None = None) -> BlasInfo:
+    """The reference BLAS stays, with one warning that says why and what fixes it (by default,
+    installing an optimized BLAS; ``fix`` when the library is there and something else is wrong)."""
     try:  # under `-W error` too, importing slotinfer must not raise
         warnings.warn(f"slotinfer: {why}; MLX keeps its reference BLAS, so f32 matmul on CPU "
-                      f"is 8-55x slower. For an optimized one: {_HOWTO}.", stacklevel=4)
+                      f"is much slower. {fix or 'For an optimized one: ' + _HOWTO}.", stacklevel=4)
     except Exception:  # noqa: BLE001
         pass
     return BlasInfo("reference", None, False, note=why)
@@ -85,13 +83,15 @@ def _choose() -> BlasInfo:
         fast = any(k in pre.lower() for k in ("openblas", "mkl", "blis", "blas_shim"))
         return _finish(BlasInfo("preloaded", pre, fast, note="cblas_sgemm was already global"))
     if "mlx.core" in sys.modules:
-        return _reference("mlx.core was imported before slotinfer, too late to swap its "
-                          "BLAS (import slotinfer first)")
+        # The optimized BLAS may well be installed: the fix is the import order, not a package.
+        return _reference("mlx.core was imported before slotinfer, too late to swap its BLAS",
+                          "To fix it, import slotinfer first: `import slotinfer` before `import mlx.core` "
+                          "or any package that imports MLX (such as mlx_lm)")
     # OpenBLAS workers spin before sleeping; when another thread or process wants the
     # core (our own host bookkeeping, a producer thread), long spins stall every call.
-    # A short timeout (2**4 cycles) measured 1.4x faster under contention, equal idle.
+    # A short timeout (2**4 cycles) costs nothing on an idle machine.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    want = os.environ.get("SLOTINFER_BLAS", "").strip()
+    want = settings.blas()
     if want.lower() == "none":
         return _reference("SLOTINFER_BLAS=none")
     if want:
@@ -183,12 +183,9 @@ def _load_direct(name, lib):
 
 
 def _load_via_shim(name, lib, prefix, suffix, ilp64):
-    try:
-        shim = _shim_path()
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"compiling its C shim failed ({e})"
+    shim = shim_path()
     if shim is None:
-        return None, "its C shim is not built and no C compiler (cc) was found"
+        return None, "its C shim was not built when slotinfer was installed (no C compiler then?)"
     h = ctypes.CDLL(shim, mode=ctypes.RTLD_LOCAL)
     # Resolve targets while the shim is still local: MLX must never see null pointers.
     if h.slotinfer_shim_init(lib.encode(), prefix.encode(), suffix.encode(), ilp64) != 0:
@@ -199,7 +196,7 @@ def _load_via_shim(name, lib, prefix, suffix, ilp64):
     h.slotinfer_shim_own(1)
     if not _sgemm_works(h.cblas_sgemm):
         return None, f"the shim's own loops give wrong results with {lib}"
-    h.slotinfer_shim_own(int(os.environ.get("SLOTINFER_OWN_GEMM", "1") != "0"))  # 0: all to the library
+    h.slotinfer_shim_own(int(settings.own_gemm()))  # off: every product to the library
     global _shim
     _shim = h
     ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
@@ -212,6 +209,14 @@ def set_own_products(on: bool) -> bool:
     setting.  For measuring what they add (benchmarks/bench_engine.py gives mlx-lm
     the plain library).  A no-op returning False when the BLAS is not reached via the shim."""
     return _shim is not None and bool(_shim.slotinfer_shim_own(int(on)))
+
+
+def use_portable_kernels(on: bool) -> bool:
+    """Run the shim's own loops on their portable kernels (plain C vectors, any CPU) instead
+    of the AVX2+FMA ones the CPU may have; returns whether the portable ones now run.  For
+    the tests, which hold both to the same properties.  False when the BLAS is not reached
+    via the shim."""
+    return _shim is not None and not _shim.slotinfer_shim_kernels(int(not on))
 
 
 def _sgemm_works(sgemm) -> bool:
@@ -246,36 +251,10 @@ def _store(mat, transposed, order):
     return (ctypes.c_float * (len(mat) * ld))(*[v for r in mat for v in r + [-7.0]]), ld
 
 
-def _shim_path() -> str | None:
-    src = os.path.join(_HERE, "_blas_shim.c")
-    sources = [src, os.path.join(_HERE, "_blas_kernels.h")]
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    have_src = all(os.path.exists(f) for f in sources)
-    for built in glob.glob(os.path.join(_HERE, "_blas_shim*.so")):  # by setup.py at install time
-        # ...unless the source was edited since (an in-place build in a checkout)
-        if not (cc and have_src) or os.path.getmtime(built) + 2 >= max(map(os.path.getmtime, sources)):
-            return built
-    if not (cc and have_src):
-        return None
-    digest = hashlib.sha256(platform.machine().encode())
-    for f in sources:
-        with open(f, "rb") as fh:
-            digest.update(fh.read())
-    tag = digest.hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "slotinfer")
-    out = os.path.join(cache, f"blas_shim-{tag}.so")
-    if not os.path.exists(out):
-        os.makedirs(cache, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            subprocess.run([*shlex.split(cc), "-O3", "-shared", "-fPIC", "-pthread", src, "-o", tmp, "-ldl"],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(tmp, out)  # atomic: concurrent first imports never see half a file
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return out
+def shim_path() -> str | None:
+    """The shim that ``setup.py`` built next to this file at install time, or None."""
+    built = sorted(glob.glob(os.path.join(_HERE, "_blas_shim*.so")))
+    return built[0] if built else None
 
 
 # -- introspection ----------------------------------------------------------
@@ -326,9 +305,8 @@ def _threads(library_vars) -> int | None:
     """SLOTINFER_BLAS_THREADS, else None where the library already read its own
     variable at load, else one thread per usable physical core (see docs/blas.md
     for what this costs on a busy machine)."""
-    value = os.environ.get("SLOTINFER_BLAS_THREADS", "").strip()
-    if value.isdigit() and int(value) > 0:
-        return int(value)
+    if n := settings.blas_threads():
+        return n
     if any(v in os.environ for v in library_vars):
         return None
     return usable_cores()

@@ -1,0 +1,91 @@
+"""The one ops object a model computes its elementwise math and attention with.
+
+The model (:mod:`slotinfer.models.transformer`) takes an :class:`Ops` and never asks which
+device it runs on; :func:`slotinfer.device.model_ops` picks one per device:
+
+* :data:`MLX_OPS` -- MLX's own kernels (fused RMSNorm, fused attention, ``mx.exp``): the
+  GPU policy, where they are fast.
+* :func:`cpu_ops` -- :mod:`.fastmath`'s exp-based activations, softmax and RMSNorm, written
+  as fused MLX arithmetic because MLX's x86 CPU ``exp`` runs element by element through
+  libm; and a decode step's attention split over concurrent CPU streams, because one core
+  cannot read every slot's K/V at the memory's speed.
+
+Both compute the same functions (``tests/test_fastmath.py`` holds them to float32
+tolerance); they differ in speed only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .._compile import ThreadCompiled
+from . import fastmath
+
+
+@dataclass(frozen=True)
+class Ops:
+    """Kernels for the model's elementwise steps.
+
+    ``rms_norm(x, weight | None, eps)``; ``silu_mul(g, u)`` and ``gelu_tanh_mul(g, u)``:
+    the gated MLP activations; ``softmax(scores)`` over the last axis; ``shifted_exp``:
+    ``exp(x - max(x))``, when set, lets a long prefill's attention normalize after its
+    value product (see ``attend``); ``fused_attention``: MLX's fused kernel serves
+    attention without soft-capping; ``attention_streams``: concurrent streams a decode
+    step's attention is split over (1: none).
+    """
+
+    name: str
+    rms_norm: Callable
+    silu_mul: Callable
+    gelu_tanh_mul: Callable
+    softmax: Callable
+    shifted_exp: Callable | None = None
+    fused_attention: bool = True
+    attention_streams: int = 1
+
+
+def _gelu_arg(g):  # gelu_tanh(g) = 0.5 g (1 + tanh(a))
+    return math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)
+
+
+@ThreadCompiled
+def _silu_mul(g, u):
+    return nn.silu(g) * u
+
+
+@ThreadCompiled
+def _gelu_tanh_mul(g, u):
+    return 0.5 * g * (1.0 + mx.tanh(_gelu_arg(g))) * u
+
+
+@ThreadCompiled
+def _own_silu_mul(g, u):
+    return fastmath.silu(g) * u
+
+
+@ThreadCompiled
+def _own_gelu_tanh_mul(g, u):  # 0.5 (1 + tanh(a)) = sigmoid(2a)
+    return fastmath.sigmoid(2.0 * _gelu_arg(g)) * g * u
+
+
+def _precise_softmax(scores):
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
+MLX_OPS = Ops("mlx", rms_norm=mx.fast.rms_norm, silu_mul=_silu_mul, gelu_tanh_mul=_gelu_tanh_mul,
+              softmax=_precise_softmax)
+
+_own_softmax = ThreadCompiled(fastmath.softmax)
+_own_shifted_exp = ThreadCompiled(fastmath.shifted_exp)
+
+
+def cpu_ops(attention_streams: int = 1) -> Ops:
+    """The CPU's own kernels (see the module docstring)."""
+    return Ops("cpu", rms_norm=fastmath.rms_norm, silu_mul=_own_silu_mul, gelu_tanh_mul=_own_gelu_tanh_mul,
+               softmax=_own_softmax, shifted_exp=_own_shifted_exp, fused_attention=False,
+               attention_streams=attention_streams)

@@ -1,0 +1,63 @@
+"""Every ``SLOTINFER_*`` environment variable, read in this one module.
+
+The table in ``docs/configuration.md`` lists them for users.  Nothing here imports MLX:
+:mod:`slotinfer.cpu.blas` reads its variables before ``mlx.core`` is first imported.
+Each function reads the environment when called, so a test or a benchmark that sets a
+variable in a fresh process (or with ``monkeypatch``) sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str) -> bool:
+    """An on-by-default switch: ``0`` turns it off, anything else (or unset) leaves it on."""
+    return os.environ.get(name, "1").strip() != "0"
+
+
+def blas() -> str:
+    """``SLOTINFER_BLAS``: which BLAS MLX's f32 matmul goes through ('' = the fastest found)."""
+    return os.environ.get("SLOTINFER_BLAS", "").strip()
+
+
+def blas_threads() -> int | None:
+    """``SLOTINFER_BLAS_THREADS``: the BLAS's thread count; None when unset (or not a whole
+    number > 0), leaving the default of :func:`slotinfer.cpu.blas.usable_cores`."""
+    value = os.environ.get("SLOTINFER_BLAS_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def own_gemm() -> bool:
+    """``SLOTINFER_OWN_GEMM=0``: every product goes to the library, none to the shim's own loops."""
+    return _flag("SLOTINFER_OWN_GEMM")
+
+
+def own_math() -> bool:
+    """``SLOTINFER_OWN_MATH=0``: MLX's own exp, softmax and RMSNorm on CPU too."""
+    return _flag("SLOTINFER_OWN_MATH")
+
+
+def attention_streams() -> int | None:
+    """``SLOTINFER_ATTENTION_STREAMS``: CPU streams a decode step's attention is split over;
+    None when unset.  Raises ValueError on anything but a whole number >= 1."""
+    value = os.environ.get("SLOTINFER_ATTENTION_STREAMS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"SLOTINFER_ATTENTION_STREAMS={value!r}: expected a whole number >= 1 "
+                         "(the CPU streams a decode step's attention is split over); unset it for the default")
+    return int(value)
+
+
+def compile_steps() -> bool:
+    """``SLOTINFER_COMPILE=0``: the decode step runs eagerly (for debugging, and for comparing)."""
+    return _flag("SLOTINFER_COMPILE")
+
+
+def cache_dir() -> Path:
+    """``SLOTINFER_CACHE``: where ``slotinfer bench`` and ``slotinfer demo`` keep the models
+    they build; default ``~/.cache/slotinfer``.  The library itself writes nothing there."""
+    value = os.environ.get("SLOTINFER_CACHE", "").strip()
+    return Path(value) if value else Path.home() / ".cache" / "slotinfer"
