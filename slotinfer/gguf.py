@@ -157,7 +157,7 @@ class _Reader:
 
 
 def read(path: Path):
-    """(config dict, {checkpoint name: array}, {module: quantization}, metadata) of a GGUF file."""
+    """(ModelConfig, {checkpoint name: array}, {module: quantization}, metadata) of a GGUF file."""
     tensors = scan(path)
     source = path.name
     try:

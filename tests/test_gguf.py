@@ -172,6 +172,18 @@ def _tokenizers(tw, path):
     return _TOKENIZERS[path]
 
 
+def test_sentencepiece_space_prefix(files, tmp_path):
+    """add_space_prefix (Llama 2-style vocabularies): text is encoded as if it began with a space,
+    and decoding drops that space again."""
+    tw, _ = files("gemma2")
+    path = write_gguf(tw, tmp_path / "prefix.gguf", meta_edits={"tokenizer.ggml.add_space_prefix": True})
+    ours, twin_tok = slotinfer.load(path).tokenizer, slotinfer.load(tw).tokenizer
+    for text in ("Hello world", "the end."):
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == twin_tok.encode(" " + text, add_special_tokens=False)
+        assert ours.decode(ids) == text
+
+
 def test_folder_with_one_gguf(files, tmp_path):
     _, path = files("qwen2")
     (tmp_path / "m").mkdir()

@@ -3,7 +3,8 @@
 Checkpoints come with two generations of keys: the classic ones (``rope_theta``,
 ``rope_scaling``, ``rope_local_base_freq``, ``sliding_window_pattern``) and the ones
 current transformers writes (``rope_parameters``, ``layer_types``).  Both are read;
-reading only one kind would silently run the wrong model.
+reading only one kind would silently run the wrong model.  GGUF files reach the same
+rules: :mod:`slotinfer.models.gguf_config` maps their metadata onto these keys.
 """
 
 from __future__ import annotations
