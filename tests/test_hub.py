@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import slotinfer
+from slotinfer import default_model
 from slotinfer.errors import InvalidRequestError, ModelNotFoundError
 from slotinfer.hub import split_id
 from slotinfer.testing import make_tiny_model
@@ -206,3 +207,16 @@ def test_paths_are_not_repo_ids(org, name, lead, tail):
     text = f"{lead}{org}/{name}{tail}"
     assert (split_id(text) is None) == bool(lead or tail)
     assert split_id(Path(f"{org}/{name}")) is None  # a Path is always a local path
+
+
+@pytest.mark.skipif(default_model.path() is None or not any(Path(slotinfer.__file__).parent.glob("gguf*")),
+                    reason=f"needs {default_model.NAME} ({default_model.INSTALL}) and GGUF loading")
+def test_the_real_gguf_loads_from_an_id_as_from_its_file(tmp_path):
+    gguf = default_model.path()
+    repo = "tiny-org/smollm2-gguf"
+    write_cache(tmp_path / "hf", repo, MAIN, files={gguf.name: gguf.read_bytes()})
+    expected = greedy(gguf)
+    for spec in (f"{repo}:{gguf.name}", repo):  # the named file, and the repo's one GGUF
+        got = offline(tmp_path / "hf", LOAD, spec)
+        assert "error" not in got, got
+        assert got["tokens"] == expected and got["batch"] == expected
