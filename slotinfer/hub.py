@@ -15,6 +15,7 @@ network) the cached snapshot of the revision loads as it is; an id that has none
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -96,16 +97,20 @@ def resolve(repo_id: str, file: str | None = None, *, revision: str | None = Non
         # The snapshot holds what an earlier load fetched, a part of the repo's listing: ask for that part,
         # or huggingface_hub would call a snapshot without the repo's other files incomplete.
         wanted = None if listing is None else _wanted_files(repo_id, revision, listing, unreachable is not None)
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted,
-                                      local_files_only=unreachable is not None))
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=wanted,
+                                        local_files_only=unreachable is not None))
+        return folder / wanted[0] if wanted and wanted[0].endswith(".gguf") else folder
     except Exception as e:
-        if isinstance(e, (ModelNotFoundError, InvalidRequestError)):
+        # slotinfer's own errors, and a cache that cannot be written (permissions, a full disk), say it themselves
+        if isinstance(e, (ModelNotFoundError, InvalidRequestError, PermissionError)) or \
+                getattr(e, "errno", None) == errno.ENOSPC:
             raise
         raise _not_found(repo_id, file, revision, e, unreachable or e.__cause__ or e) from None
 
 
 def _wanted_files(repo_id: str, revision: str | None, listing: list[str], cached: bool) -> list[str]:
-    """The files of the repo's listing that ``load`` reads: the HF layout's, or its only GGUF."""
+    """The files of the repo's listing that ``load`` reads: the HF layout's, or its only GGUF (then
+    ``load`` gets that file's path, wherever in the repo it lies)."""
     root = [f for f in listing if "/" not in f]
     weights = [f for f in root if f.endswith(".safetensors")]
     if _INDEX in root:  # read only the shards the index names, not every copy a repo keeps

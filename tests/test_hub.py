@@ -174,9 +174,17 @@ def test_a_named_gguf_file_resolves_to_its_cached_file(tmp_path):
     assert not_gguf["error"] == "InvalidRequestError" and "a .gguf" in not_gguf["message"]
 
 
-def test_a_repo_with_one_gguf_resolves_to_its_snapshot(tmp_path):
-    snapshot = write_cache(tmp_path / "hf", GGUF_REPO, MAIN, files={"only-Q8_0.gguf": b"GGUF"})
-    assert Path(offline(tmp_path / "hf", RESOLVE, GGUF_REPO)["path"]) == snapshot
+@pytest.mark.parametrize("name", ["only-Q8_0.gguf", "q8/only-Q8_0.gguf"])
+def test_a_repo_with_one_gguf_resolves_to_that_file(tmp_path, name):
+    snapshot = write_cache(tmp_path / "hf", GGUF_REPO, MAIN, files={name: b"GGUF", "README.md": b"card"})
+    assert Path(offline(tmp_path / "hf", RESOLVE, GGUF_REPO)["path"]) == snapshot / name
+
+
+def test_a_repo_without_weights_slotinfer_reads_is_refused_by_name(tmp_path):
+    write_cache(tmp_path / "hf", REPO, MAIN, files={"config.json": b"{}", "pytorch_model.bin": b"torch"})
+    got = offline(tmp_path / "hf", RESOLVE, REPO)
+    assert got["error"] == "ModelNotFoundError"
+    assert got["message"].startswith(f"{REPO} holds neither config.json with *.safetensors weights nor a .gguf")
 
 
 @pytest.mark.parametrize("spec", ["./no-such/model", "/no/such/model", "no-such/model/", "a/b/c", "~/no-such-model",
