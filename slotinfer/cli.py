@@ -39,10 +39,11 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="mlx version, device, BLAS in use, compute dtype")
 
     p = sub.add_parser("demo", help="generate and classify on a small built-in model (built once, cached)")
-    p.add_argument("--model", help="use this model folder instead of the built-in one")
+    p.add_argument("--model", help="a model folder, GGUF file or hub id (org/name) instead of SmolLM2-135M-Instruct")
 
     p = gen = sub.add_parser("generate", help="generate for prompts (arguments, or one per stdin line)")
-    p.add_argument("--model", required=True, help="a Hugging Face-layout model folder")
+    p.add_argument("--model", required=True, help="a Hugging Face-layout model folder, a GGUF file, or a hub id "
+                   "(org/name, org/name:file.gguf)")
     p.add_argument("prompts", nargs="*", help="prompts; read from stdin, one per line, when none")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

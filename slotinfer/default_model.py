@@ -31,3 +31,19 @@ def path() -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+def load(dtype=None):
+    """``(model, None)``, or ``(None, why)`` when the model is not installed or does not load here.
+
+    Callers that can serve without it (the demo, ``slotinfer bench``) print ``why`` and fall back.
+    """
+    import slotinfer
+
+    gguf = path()
+    if gguf is None:
+        return None, f"{NAME} is not installed (`{INSTALL}`, or `make demo`, installs it)"
+    try:
+        return slotinfer.load(gguf, dtype=dtype), None
+    except slotinfer.ModelLoadError as e:
+        return None, f"{NAME} could not be loaded from {gguf} ({e})"

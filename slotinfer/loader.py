@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import device, gguf
+from . import device, gguf, hub
 from ._files import read_json
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
 from .model import Model
@@ -35,18 +35,21 @@ _QUANT_GROUPS = (32, 64, 128)
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
 
 
-def load(path, *, dtype=None) -> Model:
-    """Load a decoder checkpoint folder (Hugging Face or MLX-quantized layout) or a GGUF file.
+def load(path, *, dtype=None, revision=None) -> Model:
+    """Load a decoder checkpoint folder (Hugging Face or MLX-quantized layout), a GGUF file, or a
+    Hugging Face repo id (``"org/name"``, at ``revision``) through huggingface_hub's cache.
 
     ``dtype`` overrides the device policy's compute dtype (float32 on CPU, the
     stored dtype on a GPU), e.g. ``load(path, dtype="bfloat16")``.
 
         >>> model = slotinfer.load("models/Qwen3-0.6B")
         >>> model = slotinfer.load("SmolLM2-135M-Instruct.Q4_1.gguf")  # docs/gguf.md
+        >>> model = slotinfer.load("HuggingFaceTB/SmolLM2-135M-Instruct")
         >>> model.generate("The capital of France is", max_tokens=8).text
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidRequestError(f"load() takes the path of a model folder (a str or Path), got {path!r}")
+    path = hub.local_path(path, revision)  # a repo id becomes its snapshot folder (or file) in the cache
     folder = Path(path).expanduser()
     gguf_file = gguf.find(folder)
     if gguf_file is not None:
