@@ -32,8 +32,18 @@ def stdout_closed() -> int:
     return 1
 
 
+def _version() -> str:
+    """The installed distribution's version, without importing MLX (``--version`` answers at once)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("slotinfer")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="slotinfer", description="Continuous-batching LLM inference on MLX.")
+    parser.add_argument("--version", action="version", version=f"slotinfer {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("info", help="mlx version, device, BLAS in use, compute dtype")
@@ -57,6 +67,9 @@ def main(argv=None) -> int:
         classify_cli.add_parser(sub)
     except ImportError:
         classify_cli = None
+
+    from .serve.cli import add_parser as add_serve_parser
+    add_serve_parser(sub)
 
     p = sub.add_parser("bench", help="decode throughput of the slot engine (tokens/s at several slot counts)")
     from .bench import add_arguments
@@ -124,5 +137,8 @@ def _dispatch(args, classify_cli) -> int:
         return classify_cli.run(args)
     if args.command == "bench":
         from .bench import run
+        return run(args)
+    if args.command == "serve":
+        from .serve.cli import run
         return run(args)
     raise AssertionError(args.command)
