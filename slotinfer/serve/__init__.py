@@ -10,7 +10,15 @@ or, inside a service of your own:
 See docs/serve.md for the endpoints and parameters.
 """
 
-from .app import build_app  # noqa: F401
-from .errors import APIError  # noqa: F401
-
 __all__ = ["build_app", "APIError"]
+
+
+def __getattr__(name):
+    # Lazily, so that the command line (which lists `serve`) works without the 'serve' extra.
+    if name == "build_app":
+        from .app import build_app
+        return build_app
+    if name == "APIError":
+        from .errors import APIError
+        return APIError
+    raise AttributeError(name)

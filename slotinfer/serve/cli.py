@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 
 
@@ -50,11 +51,29 @@ def run(args) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=args.grace_period, lifespan="off")
         server = uvicorn.Server(config)
+        try:
+            sock = _bind(args.host, args.port)  # bound here so that port 0's pick can be announced at any log level
+        except OSError as e:
+            print(f"slotinfer: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+            return 2
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"slotinfer serve: {app.state.slotinfer.name} running on http://{host}:{sock.getsockname()[1]} "
+              f"({args.slots} slots of {args.max_len} tokens, max queue {args.max_queue or 'unbounded'}, "
+              f"API key {'required' if args.api_key else 'not required'})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; a handler that
         # ignores it lets a requested shutdown end as a success (exit 0) instead of a kill.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-        server.run()
+        server.run(sockets=[sock])
     finally:
         inf.close(drain=False, timeout=args.grace_period)  # whatever is left ends as cancelled
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
