@@ -113,6 +113,8 @@ def test_logprobs_in_both_formats_are_the_engines(client, server, model):
     c = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=5, temperature=0, logprobs=True,
                                        top_logprobs=2, extra_body={"ignore_eos": True})
     content = c.choices[0].logprobs.content
+    # each token's exact bytes (a byte-level token may hold part of a character): together, the text
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == model.tokenizer.decode(chat_want.tokens)
     assert [e.logprob for e in content] == pytest.approx(chat_want.logprobs)
     assert [t.logprob for e in content for t in e.top_logprobs] == pytest.approx(
         [v for top in chat_want.top_logprobs for _, v in top])
@@ -147,9 +149,12 @@ def test_errors_map_to_the_clients_exceptions(client, server):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="other", prompt="hi")
     assert e.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # over the slot's max_len (256) with its max_tokens
         client.completions.create(model=NAME, prompt="hi " * 400, max_tokens=4)
-    assert e.value.body["code"] == "context_length_exceeded"
+    assert e.value.body["code"] == "context_length_exceeded" and "max_len" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # over the model's context (2048) alone
+        client.completions.create(model=NAME, prompt=[5] * 2100, max_tokens=4)
+    assert (e.value.body["code"], e.value.body["param"]) == ("context_length_exceeded", "prompt")
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=NAME, messages=[{"content": "no role"}])
     with pytest.raises(openai.BadRequestError):

@@ -193,3 +193,24 @@ def test_signal_shuts_down_gracefully_with_exit_0(model_dir, sig):
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+def test_bench_serve_drives_the_server_and_the_inferencer_alike(model_dir, capsys):
+    from slotinfer.cli import main
+
+    assert main(["bench", "--serve", "--model", str(model_dir("qwen3")), "--clients", "3", "--requests", "2",
+                 "--gen-tokens", "5", "--prompt-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["3"]]
+    assert [r[1] for r in rows] == ["server", "in-process", "in-process", "server", "ratio"]
+    assert all(float(r[2]) > 0 for r in rows[:4]) and rows[4][-1].endswith("x")
+
+
+def test_bench_serve_counts_every_token_on_both_sides(model):
+    from slotinfer.serve.bench import drive_http, drive_inferencer, workload
+
+    prompts = workload(3, 2, 8, model.tokenizer.vocab_size)
+    with slotinfer.Inferencer(model, slots=3, max_len=32) as inf, serving(build_app(inf)) as url:
+        for r in (asyncio.run(drive_http(url, None, prompts, 5)), asyncio.run(drive_inferencer(inf, prompts, 5))):
+            assert round(r["tokens_per_s"] * r["wall_s"]) == 3 * 2 * 5
+            assert 0 < r["ttft_p50"] <= r["ttft_p95"] < r["wall_s"] and 0 < r["itl_p50"] <= r["itl_p95"]

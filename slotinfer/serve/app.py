@@ -20,9 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..errors import InvalidRequestError, PromptTooLongError
 from .errors import APIError, bad_param, from_exception
 from .metrics import Metrics, Timer
-from .responses import DONE, Shaper, sse, usage
+from .responses import DONE, Shaper, TokenText, sse, usage
 from .schemas import GenerateRequest, parse_chat, parse_classify, parse_completion
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
@@ -69,7 +70,7 @@ class _Server:
         self.api_key, self.max_body, self.retry_after = api_key, max_body_bytes, retry_after
         self.metrics = Metrics(inferencer)
         self.created = int(time.time())
-        self._texts: dict[int, str] = {}
+        self.token_text = TokenText(self.model.tokenizer)
         # classify runs prefill-only batches on the model outside the slot table, one batch at a time
         self._classifier = ThreadPoolExecutor(1, thread_name_prefix="slotinfer-classify")
         self._classify_pending = 0
@@ -118,8 +119,12 @@ class _Server:
 
     def _submit(self, req: GenerateRequest):
         """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
-        model = self.model
-        prompts = [model.encode_prompt(model.chat_prompt(messages=p) if req.chat else p) for p in req.prompts]
+        model, param = self.model, "messages" if req.chat else "prompt"
+        try:
+            prompts = [model.encode_prompt(model.chat_prompt(messages=p) if req.chat else p) for p in req.prompts]
+        except InvalidRequestError as e:  # the prompt itself: too long, empty, ids outside the vocabulary
+            raise APIError(400, str(e), param=param,
+                           code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None) from None
         loop = asyncio.get_running_loop()
         handles = []
         try:
@@ -184,9 +189,8 @@ class _Server:
             left, failed = len(handles), None
             while left:
                 i, ev = await events.get()
-                if ev is not None:
-                    if ev.text or ev.logprob is not None:
-                        yield shaper.chunk(i, ev.text, logprobs=shaper.event_logprobs(ev))
+                if ev is not None:  # a chunk per token, even one whose text waits for more bytes
+                    yield shaper.chunk(i, ev.text, logprobs=shaper.event_logprobs(ev))
                     continue
                 left -= 1
                 try:
@@ -291,12 +295,6 @@ class _Server:
         if not isinstance(body, dict):
             raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
         return body
-
-    def token_text(self, token: int) -> str:
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self.model.tokenizer.decode([token])
-        return text
 
 
 def _too_large(limit: int) -> APIError:

@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +35,8 @@ def add_arguments(p):
                    help="random-weight model built once when no --model is given")
     p.add_argument("--clients", default="32", help="comma-separated client counts")
     p.add_argument("--requests", type=positive_int, default=3, help="requests per client (closed loop)")
+    p.add_argument("--rounds", type=positive_int, default=2,
+                   help="runs of each side, alternating server/in-process then in-process/server")
     p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the workload on an in-process Inferencer and print the ratio")
 
@@ -84,7 +87,7 @@ async def drive_http(url: str, model: str | None, prompts, gen_tokens: int) -> d
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("choices"):
+                if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:  # a token's chunk
                     stamps.append(time.perf_counter())
                 used = chunk.get("usage") or used
         return _row(t0, stamps, used["completion_tokens"] if used else len(stamps))
@@ -161,7 +164,7 @@ def run(args) -> int:
     print(f"workload: closed loop, {args.requests} requests per client, prompts of {plen} tokens, "
           f"{gen} new tokens each (ignore_eos), streamed")
     print(f"{'clients':>7} {'where':>10} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} "
-          f"{'ITL p95':>8} {'ratio':>6}")
+          f"{'ITL p95':>8}")
     max_len = plen + gen + 8
     try:
         url = args.url
@@ -170,20 +173,41 @@ def run(args) -> int:
             url = server.url
         for n in counts:
             prompts = workload(n, args.requests, plen, vocab, seed=n)
-            asyncio.run(drive_http(url, args.served_model or ("bench" if server else None), [prompts[0][:1]], 4))
-            http = asyncio.run(drive_http(url, args.served_model or ("bench" if server else None), prompts, gen))
-            _print(n, "server", http)
-            if args.in_process and model is not None:
-                with slotinfer.Inferencer(model, slots=max(counts), max_len=max_len) as inf:
-                    inf.generate(prompts[0][0], max_tokens=4, ignore_eos=True)  # compile outside the timing
-                    local = asyncio.run(drive_inferencer(inf, prompts, gen))
-                _print(n, "in-process", local)
-                print(f"{n:>7} {'ratio':>10} {'':>9} {'':>9} {'':>9} {'':>8} {'':>8} "
-                      f"{http['tokens_per_s'] / local['tokens_per_s']:>5.2f}x", flush=True)
+            name = args.served_model or ("bench" if server else None)
+            local = args.in_process and model is not None
+            inf = slotinfer.Inferencer(model, slots=max(counts), max_len=max_len) if local else None
+            try:
+                warm = [mine[:1] for mine in prompts]  # every client once, a few tokens: the step shapes compile
+                asyncio.run(drive_http(url, name, warm, 4))
+                if inf is not None:
+                    asyncio.run(drive_inferencer(inf, warm, 4))
+                runs = {"server": [], "in-process": []}
+                for where in alternating(args.rounds if local else 1):
+                    if where == "server":
+                        r = asyncio.run(drive_http(url, name, prompts, gen))
+                    else:
+                        r = asyncio.run(drive_inferencer(inf, prompts, gen))
+                    runs[where].append(r)
+                    _print(n, where, r)
+            finally:
+                if inf is not None:
+                    inf.close()
+            if runs["in-process"]:
+                served = statistics.mean(r["tokens_per_s"] for r in runs["server"])
+                local = statistics.mean(r["tokens_per_s"] for r in runs["in-process"])
+                print(f"{n:>7} {'ratio':>10} {served:>9.1f} / {local:.1f} tokens/s (means) = {served / local:.2f}x",
+                      flush=True)
     finally:
         if server is not None:
             server.close()
     return 0
+
+
+def alternating(rounds: int) -> list[str]:
+    """server, in-process, then in-process, server, ...: a machine that drifts during the runs moves both means alike."""
+    from ..bench import alternating_order
+
+    return [{"continuous": "server", "static": "in-process"}[m] for m in alternating_order(rounds)]
 
 
 def _print(n, where, r):

@@ -40,8 +40,7 @@ def from_exception(e: BaseException, *, retry_after: int = 1) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, PromptTooLongError):
-        return APIError(400, str(e), param="messages" if "messages" in str(e) else "prompt",
-                        code="context_length_exceeded")
+        return APIError(400, str(e), code="context_length_exceeded")
     if isinstance(e, (InvalidRequestError, TokenizerError)):
         return APIError(400, str(e))
     if isinstance(e, QueueFull):
