@@ -99,7 +99,8 @@ class Engine:
         rid = next(_ids)
         return Item(
             id=rid, prompt=ids, params=params, seed=seed, max_tokens=budget, stops=stops,
-            enders=enders, handle=Handle(rid, loop), detok=model.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens),
+            enders=enders, handle=Handle(rid, loop),
+            detok=model.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens),
             top_logprobs=(top_logprobs if top_logprobs else 0) if (logprobs or top_logprobs) else -1,
             on_token=on_token,
         )

@@ -125,8 +125,9 @@ class ItemProcessor:
     def _emit(self, item, token, upto) -> bool:
         """Stream text up to ``upto``; False (and the item failed) if the consumer raised."""
         upto = max(upto, item.emitted)
-        ev = StreamEvent(token, item.text[item.emitted:upto], item.logprobs[-1] if item.logprobs else None,
-                         item.top[-1] if item.top else None)
+        asked = item.top_logprobs  # a step computes logprobs for every row when any row asks: pass on only the asked
+        ev = StreamEvent(token, item.text[item.emitted:upto], item.logprobs[-1] if asked >= 0 and item.logprobs else None,
+                         item.top[-1] if asked > 0 and item.top else None)
         item.emitted = upto
         try:
             if item.on_token is not None:

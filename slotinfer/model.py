@@ -146,7 +146,8 @@ class Model:
         row = lambda v, dt=mx.float32: mx.array([v], dtype=dt)  # noqa: E731
         p = dict(temperature=row(params.temperature), top_k=row(params.top_k, mx.int32), top_p=row(params.top_p),
                  min_p=row(params.min_p), seeds=row(seed, mx.uint32))
-        out, detok, text, reason = [], self.tokenizer.detokenizer(skip_special_tokens=bool(skip_special_tokens)), "", "length"
+        detok = self.tokenizer.detokenizer(skip_special_tokens=bool(skip_special_tokens))
+        out, text, reason = [], "", "length"
         for step in range(budget):
             logits = self.net.head(h[:, -1, :])
             if params.repetition_penalty != 1.0:

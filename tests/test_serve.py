@@ -229,3 +229,13 @@ def test_greedy_output_through_http_is_model_generate(client, model, prompt, max
 def test_json_bodies_are_plain_objects(server):
     r = httpx.post(server[0] + "/v1/chat/completions", content=json.dumps([1, 2]))
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
+def test_stream_events_carry_logprobs_only_when_asked(model):
+    with slotinfer.Inferencer(model, slots=2, max_len=64) as inf:
+        a = inf.submit("one", max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=2)
+        b = inf.submit("two", max_tokens=8, ignore_eos=True)  # shares every step with a
+        ea, eb = list(a), list(b)
+    assert [e.logprob for e in ea] == pytest.approx(a.result().logprobs)
+    assert [e.top_logprobs for e in ea] == a.result().top_logprobs and all(len(e.top_logprobs) == 2 for e in ea)
+    assert all(e.logprob is None and e.top_logprobs is None for e in eb) and len(eb) == 8
