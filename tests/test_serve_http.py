@@ -214,3 +214,30 @@ def test_bench_serve_counts_every_token_on_both_sides(model):
         for r in (asyncio.run(drive_http(url, None, prompts, 5)), asyncio.run(drive_inferencer(inf, prompts, 5))):
             assert round(r["tokens_per_s"] * r["wall_s"]) == 3 * 2 * 5
             assert 0 < r["ttft_p50"] <= r["ttft_p95"] < r["wall_s"] and 0 < r["itl_p50"] <= r["itl_p95"]
+
+
+def test_classify_beside_running_streams_changes_neither(model):
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(10)] for _ in range(8)]
+    want = [model.generate(p, max_tokens=30, ignore_eos=True).text for p in prompts]
+    texts = ["good food", "a bad day", "fine"] * 6
+    want_cls = model.classify(texts, labels=["yes", "no"], prefix="Q: ")
+    with slotinfer.Inferencer(model, slots=4, max_len=64) as inf, serving(build_app(inf)) as url:
+        def gen(p):
+            body = {"prompt": p, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+            return httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        def cls(_):
+            body = {"input": texts, "labels": ["yes", "no"], "prefix": "Q: "}
+            return httpx.post(url + "/v1/classify", json=body, timeout=120).json()["data"]
+
+        with ThreadPoolExecutor(12) as ex:
+            got = ex.map(gen, prompts)
+            got_cls = list(ex.map(cls, range(4)))
+            got = list(got)
+    assert got == want
+    for data in got_cls:
+        assert [d["label"] for d in data] == [w.label for w in want_cls]
+        assert [d["scores"]["yes"] for d in data] == pytest.approx([w.scores["yes"] for w in want_cls], abs=1e-4)

@@ -224,8 +224,8 @@ class _Server:
             self._check_model(req.model)
             if req.labels is None:
                 raise bad_param("labels", "'labels' is required: the classes to choose from")
-            bound = max(1, self.inf._max_queue)
-            if self._classify_pending >= bound:
+            bound = self.inf._max_queue  # classify waits in its own line, as long as the engine's (0: unbounded)
+            if bound and self._classify_pending >= bound:
                 raise APIError(429, f"{bound} classification requests are already waiting; retry later",
                                type="rate_limit_error", code="rate_limit_exceeded",
                                headers={"Retry-After": str(self.retry_after)})
