@@ -154,6 +154,7 @@ class ItemProcessor:
             self.free.append(item.slot)
             self.free.sort()
         item.state = "done"
+        item.handle._on_cancel = None  # its closure refers back to the item: free both by refcount, now
         self.finished += 1
         if error is not None:
             item.handle._finish(error=error)
