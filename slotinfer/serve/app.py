@@ -9,19 +9,18 @@ cancels its handles, which frees their slots at the engine's next step.
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import InvalidRequestError, PromptTooLongError
 from .errors import APIError, bad_param, from_exception
+from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
 from .responses import DONE, Shaper, TokenText, sse, usage
 from .schemas import GenerateRequest, parse_chat, parse_classify, parse_completion
@@ -113,8 +112,7 @@ class _Server:
         self.metrics.prompt_tokens.inc(prompt_tokens)
         shaper = Shaper(chat, self.name, self.token_text)
         if req.stream:
-            return StreamingResponse(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
         return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
 
     def _submit(self, req: GenerateRequest):
@@ -146,7 +144,7 @@ class _Server:
     async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint):
         rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0))) for h in handles]
         everything = asyncio.gather(*rows)
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait([everything, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -265,13 +263,7 @@ class _Server:
         return err.response()
 
     def _authorize(self, request: Request):
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the server's key",
-                           code="invalid_api_key")
+        check_key(request, self.api_key)
 
     def _check_model(self, name):
         if name is not None and name != self.name:
@@ -279,29 +271,4 @@ class _Server:
                            param="model", code="model_not_found")
 
     async def _json(self, request: Request) -> dict:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            raise _too_large(self.max_body)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body:
-                raise _too_large(self.max_body)
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except ValueError as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        return body
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is over the server's limit of {limit} bytes", code="request_too_large")
-
-
-async def _disconnected(request: Request):
-    """Returns once the client has gone away (the body was read: only a disconnect can come)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        return await read_json(request, self.max_body)
