@@ -239,3 +239,34 @@ def test_stream_events_carry_logprobs_only_when_asked(model):
     assert [e.logprob for e in ea] == pytest.approx(a.result().logprobs)
     assert [e.top_logprobs for e in ea] == a.result().top_logprobs and all(len(e.top_logprobs) == 2 for e in ea)
     assert all(e.logprob is None and e.top_logprobs is None for e in eb) and len(eb) == 8
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.sampled_from([2**40, -2**40]),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+                    st.lists(st.integers(-1, 600), max_size=4), st.lists(st.text(max_size=4), max_size=3),
+                    st.dictionaries(st.sampled_from(["include_usage", "type", "x"]), st.booleans(), max_size=2))
+_PARAMS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+           "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "n", "logprobs",
+           "top_logprobs", "ignore_eos", "skip_special_tokens", "stop_token_ids", "stream", "stream_options",
+           "echo", "best_of", "response_format", "model", "user"]
+
+
+@given(body=st.dictionaries(st.sampled_from(_PARAMS), _VALUES, max_size=8), chat=st.booleans(),
+       base=st.booleans())
+def test_any_body_is_answered_or_refused_by_name(server, body, chat, base):
+    """Whatever a client sends, the answer is a result or a 4xx naming what was wrong: never a 500."""
+    if base:  # a valid core, so that the other fields are what gets judged
+        body.setdefault("messages" if chat else "prompt", [{"role": "user", "content": "hi"}] if chat else "hi")
+    if isinstance(body.get("n"), int) and body.get("n", 1) > 4:
+        body["n"] = 4
+    r = httpx.post(server[0] + ("/v1/chat/completions" if chat else "/v1/completions"), timeout=120,
+                   content=json.dumps(body), headers={"content-type": "application/json"})  # NaN, Infinity too
+    if r.status_code == 200:
+        if body.get("stream") is True:
+            assert r.text.endswith("data: [DONE]\n\n")
+        else:
+            assert r.json()["usage"]["completion_tokens"] >= 1
+        return
+    assert r.status_code in (400, 404), r.text
+    err = r.json()["error"]
+    assert err["message"] and set(err) == {"message", "type", "param", "code"}
