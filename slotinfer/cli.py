@@ -1,9 +1,8 @@
-"""The ``slotinfer`` command line: info, demo, generate, classify, bench."""
+"""The ``slotinfer`` command line: info, demo, generate, classify, bench, serve."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -32,8 +31,18 @@ def stdout_closed() -> int:
     return 1
 
 
+def _version() -> str:
+    """The installed distribution's version, without importing MLX (``--version`` answers at once)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("slotinfer")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="slotinfer", description="Continuous-batching LLM inference on MLX.")
+    parser.add_argument("--version", action="version", version=f"slotinfer {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("info", help="mlx version, device, BLAS in use, compute dtype")
@@ -41,17 +50,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("demo", help="generate and classify on a small built-in model (built once, cached)")
     p.add_argument("--model", help="a model folder, GGUF file or hub id (org/name) instead of SmolLM2-135M-Instruct")
 
-    p = gen = sub.add_parser("generate", help="generate for prompts (arguments, or one per stdin line)")
-    p.add_argument("--model", required=True, help="a Hugging Face-layout model folder, a GGUF file, or a hub id "
-                   "(org/name, org/name:file.gguf)")
-    p.add_argument("prompts", nargs="*", help="prompts; read from stdin, one per line, when none")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--slots", type=positive_int, default=32)
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    from . import generate_cli
+    gen = generate_cli.add_parser(sub)
 
     try:
         from . import classify_cli
@@ -59,13 +59,16 @@ def main(argv=None) -> int:
     except ImportError:
         classify_cli = None
 
+    from .serve.cli import add_parser as add_serve_parser
+    add_serve_parser(sub)
+
     p = sub.add_parser("bench", help="decode throughput of the slot engine (tokens/s at several slot counts)")
     from .bench import add_arguments
     add_arguments(p)
 
     args = parser.parse_args(argv)
     if args.command == "generate":
-        _check_generate(gen, args)
+        generate_cli.check(gen, args)
     try:
         return _dispatch(args, classify_cli)
     except BrokenPipeError:
@@ -78,27 +81,7 @@ def main(argv=None) -> int:
         raise
 
 
-def _check_generate(parser, args):
-    """The run-wide values, checked before the model loads: a usage error (exit 2), not one error per prompt."""
-    from .errors import InvalidRequestError
-    from .model import check_max_tokens
-    from .sampling import SamplingParams
-
-    checks = [("--max-tokens", lambda: check_max_tokens(args.max_tokens)),
-              ("--temperature", lambda: SamplingParams(temperature=args.temperature)),
-              ("--top-p", lambda: SamplingParams(top_p=args.top_p)),
-              ("--top-k", lambda: SamplingParams(top_k=args.top_k)),
-              ("--seed", lambda: SamplingParams(seed=args.seed))]
-    for flag, check in checks:
-        try:
-            check()
-        except InvalidRequestError as e:
-            parser.error(f"argument {flag}: {e}")
-
-
 def _dispatch(args, classify_cli) -> int:
-    import slotinfer
-
     if args.command == "info":
         from . import device
         for key, value in device.describe().items():
@@ -108,22 +91,14 @@ def _dispatch(args, classify_cli) -> int:
         from .demo import run
         return run(args.model)
     if args.command == "generate":
-        model = slotinfer.load(args.model)
-        prompts = args.prompts or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
-        if args.chat:
-            prompts = [model.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-        results = model.batch_generate(prompts, max_tokens=args.max_tokens, temperature=args.temperature,
-                                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, slots=args.slots)
-        for prompt, r in zip(prompts, results):
-            rec = {"prompt": prompt, "text": r.text, "finish_reason": r.finish_reason}
-            if r.error is not None:
-                rec["error"] = str(r.error)
-            print(json.dumps(rec, ensure_ascii=False))
-        sys.stdout.flush()  # a closed pipe fails here, inside main, rather than at exit
-        return 0
+        from .generate_cli import run
+        return run(args)
     if args.command == "classify":
         return classify_cli.run(args)
     if args.command == "bench":
         from .bench import run
+        return run(args)
+    if args.command == "serve":
+        from .serve.cli import run
         return run(args)
     raise AssertionError(args.command)

@@ -111,8 +111,11 @@ class Engine:
     def make_item(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                   top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
                   stop=None, stop_token_ids=(), ignore_eos: bool = False, logprobs: bool = False,
-                  top_logprobs: int = 0, on_token=None, loop=None) -> Item:
-        """Validate a request (raising a typed error) and make its record."""
+                  top_logprobs: int = 0, on_token=None, loop=None, skip_special_tokens: bool = True) -> Item:
+        """Validate a request (raising a typed error) and make its record.
+
+        ``skip_special_tokens`` (default) keeps tokens such as ``<|im_end|>`` out of the text.
+        """
         model = self.model
         ids = model.encode_prompt(prompt)
         check_max_tokens(max_tokens)
@@ -130,6 +133,8 @@ class Engine:
         if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= vocab:
             raise InvalidRequestError(f"top_logprobs must be an int in [0, {vocab}] (the vocabulary size), "
                                       f"got {top_logprobs!r}")
+        if not isinstance(skip_special_tokens, bool):
+            raise InvalidRequestError(f"skip_special_tokens must be True or False, got {skip_special_tokens!r}")
         if on_token is not None and not callable(on_token):
             raise InvalidRequestError(f"on_token must be a callable taking a StreamEvent, or None; got {on_token!r}")
         enders = check_token_ids(stop_token_ids, vocab) | (frozenset() if ignore_eos else model.eos_ids)
@@ -138,7 +143,8 @@ class Engine:
         rid = next(_ids)
         return Item(
             id=rid, prompt=ids, params=params, seed=seed, max_tokens=budget, stops=stops,
-            enders=enders, handle=Handle(rid, loop), detok=model.tokenizer.detokenizer(),
+            enders=enders, handle=Handle(rid, loop),
+            detok=model.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens),
             top_logprobs=(top_logprobs if top_logprobs else 0) if (logprobs or top_logprobs) else -1,
             on_token=on_token,
         )

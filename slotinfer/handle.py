@@ -18,10 +18,15 @@ _END = object()
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """One generated token and the text it completed (possibly ``""``: text waits for whole characters)."""
+    """One generated token and the text it completed (possibly ``""``: text waits for whole characters).
+
+    ``logprob`` and ``top_logprobs`` ([(id, logprob)]) are set when the request asked for them.
+    """
 
     token: int
     text: str
+    logprob: float | None = None
+    top_logprobs: list | None = None
 
 
 class Handle:

@@ -153,8 +153,11 @@ class Inferencer:
 
     # -- submitting -------------------------------------------------------------
 
-    def submit(self, prompt, *, block: bool = True, timeout: float | None = None, **params) -> Handle:
+    def submit(self, prompt=None, *, messages=None, block: bool = True, timeout: float | None = None,
+               **params) -> Handle:
         """Queue a request from any thread; returns its :class:`Handle` at once.
+
+        Give a ``prompt``, or chat ``messages`` (rendered with the model's chat template).
 
         Parameters are those of :meth:`Model.generate` plus ``logprobs``, ``top_logprobs``,
         ``on_token`` (a callback per :class:`StreamEvent`).  With a full queue, ``block=True``
@@ -166,15 +169,23 @@ class Inferencer:
         with finish reason ``"error"`` and the others go on.
         """
         self._check_open()
-        item = self.engine.make_item(prompt, **params)
+        item = self.engine.make_item(self.model.chat_prompt(prompt, messages), **params)
         self._enqueue(item, block, timeout)
         return item.handle
 
-    def generate(self, prompt, **params) -> Completion:
+    def generate(self, prompt=None, **params) -> Completion:
         """Submit and wait: the blocking one-liner."""
         return self.submit(prompt, **params).result()
 
-    async def generate_async(self, prompt, **params) -> Completion:
+    async def chat_async(self, messages, **params) -> Completion:
+        """:meth:`generate_async` for chat ``messages``."""
+        return await self.generate_async(messages=messages, **params)
+
+    def stream_chat_async(self, messages, **params):
+        """:meth:`stream_async` for chat ``messages``."""
+        return self.stream_async(messages=messages, **params)
+
+    async def generate_async(self, prompt=None, **params) -> Completion:
         """``await inf.generate_async(prompt, ...)`` from asyncio code.
 
         Never blocks the event loop (a full queue is waited for asynchronously); cancelling
@@ -183,7 +194,7 @@ class Inferencer:
         handle = await self._submit_async(prompt, params)
         return await handle
 
-    async def stream_async(self, prompt, **params):
+    async def stream_async(self, prompt=None, **params):
         """``async for ev in inf.stream_async(prompt, ...)``: tokens and text as they come.
 
         Leaving the loop early (``break``, an exception, the task cancelled) cancels the request.
@@ -199,6 +210,7 @@ class Inferencer:
     async def _submit_async(self, prompt, params) -> Handle:
         block, timeout = params.pop("block", True), params.pop("timeout", None)
         self._check_open()
+        prompt = self.model.chat_prompt(prompt, params.pop("messages", None))
         item = self.engine.make_item(prompt, loop=asyncio.get_running_loop(), **params)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.001
@@ -211,6 +223,11 @@ class Inferencer:
                     raise
             await asyncio.sleep(pause)
             pause = min(2 * pause, 0.02)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (no more requests are taken)."""
+        return self._closed
 
     def _check_open(self):
         if self._closed:

@@ -125,7 +125,9 @@ class ItemProcessor:
     def _emit(self, item, token, upto) -> bool:
         """Stream text up to ``upto``; False (and the item failed) if the consumer raised."""
         upto = max(upto, item.emitted)
-        ev = StreamEvent(token, item.text[item.emitted:upto])
+        asked = item.top_logprobs  # a step computes logprobs for every row when any row asks: pass on only the asked
+        ev = StreamEvent(token, item.text[item.emitted:upto], item.logprobs[-1] if asked >= 0 and item.logprobs else None,
+                         item.top[-1] if asked > 0 and item.top else None)
         item.emitted = upto
         try:
             if item.on_token is not None:
@@ -152,6 +154,7 @@ class ItemProcessor:
             self.free.append(item.slot)
             self.free.sort()
         item.state = "done"
+        item.handle._on_cancel = None  # its closure refers back to the item: free both by refcount, now
         self.finished += 1
         if error is not None:
             item.handle._finish(error=error)

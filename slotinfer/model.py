@@ -75,6 +75,24 @@ class Model:
             messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **extra
         )
 
+    def chat_prompt(self, prompt=None, messages=None):
+        """The prompt of a request given as ``prompt`` or as chat ``messages`` (exactly one of them):
+        messages are rendered with the model's chat template, with the generation prompt."""
+        if messages is None:
+            if prompt is None:
+                raise InvalidRequestError("give a prompt, or messages=[{'role': 'user', 'content': ...}]")
+            return prompt
+        if prompt is not None:
+            raise InvalidRequestError("give a prompt or messages, not both")
+        return self.apply_chat_template(messages, add_generation_prompt=True)
+
+    def chat(self, messages, **params) -> Completion:
+        """:meth:`generate` for chat ``messages``, rendered with the model's own chat template.
+
+            >>> model.chat([{"role": "user", "content": "Hi!"}], max_tokens=32).text
+        """
+        return self.generate(self.chat_prompt(messages=messages), **params)
+
     # -- batch APIs on the slot engine ------------------------------------------
 
     def batch_generate(self, prompts, **params) -> list:
@@ -104,8 +122,11 @@ class Model:
 
     def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, stop=None, stop_token_ids=(), ignore_eos: bool = False) -> Completion:
+                 seed: int | None = None, stop=None, stop_token_ids=(), ignore_eos: bool = False,
+                 skip_special_tokens: bool = True) -> Completion:
         """Generate for one prompt, alone: the simple path the batched engine is tested against.
+
+        The text leaves out special tokens such as ``<|im_end|>`` unless ``skip_special_tokens=False``.
 
             >>> model.generate("Hello", max_tokens=16, temperature=0.7, seed=1).text
         """
@@ -125,7 +146,8 @@ class Model:
         row = lambda v, dt=mx.float32: mx.array([v], dtype=dt)  # noqa: E731
         p = dict(temperature=row(params.temperature), top_k=row(params.top_k, mx.int32), top_p=row(params.top_p),
                  min_p=row(params.min_p), seeds=row(seed, mx.uint32))
-        out, detok, text, reason = [], self.tokenizer.detokenizer(), "", "length"
+        detok = self.tokenizer.detokenizer(skip_special_tokens=bool(skip_special_tokens))
+        out, text, reason = [], "", "length"
         for step in range(budget):
             logits = self.net.head(h[:, -1, :])
             if params.repetition_penalty != 1.0:

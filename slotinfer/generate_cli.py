@@ -1,0 +1,166 @@
+"""``slotinfer generate``: one prompt streams its text as it comes; many prompts write one JSON
+record each (in input order) with a progress bar on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_parser(sub):
+    from .cli import positive_int
+
+    p = sub.add_parser("generate", help="generate for prompts (arguments, or one per stdin line)")
+    p.add_argument("--model", required=True, help="a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)")
+    p.add_argument("prompts", nargs="*", help="prompts; read from stdin, one per line, when none")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, help="prompt i draws with seed + i (reproducible in any batch)")
+    p.add_argument("--stop", action="append", help="a stop string (repeat for several)")
+    p.add_argument("--logprobs", type=int, nargs="?", const=0, metavar="N",
+                   help="record each token's logprob (and the top N alternatives)")
+    p.add_argument("--slots", type=positive_int, default=32)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--system", help="a system message (implies --chat)")
+    p.add_argument("--output", "-o", help="write the JSON records to this file (one per line)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr over many prompts (default: when stderr is a terminal)")
+    return p
+
+
+def check(parser, args):
+    """The run-wide values, checked before the model loads: a usage error (exit 2), not one error per prompt."""
+    from .errors import InvalidRequestError
+    from .model import check_max_tokens, check_stop
+    from .sampling import SamplingParams
+
+    checks = [("--max-tokens", lambda: check_max_tokens(args.max_tokens)),
+              ("--temperature", lambda: SamplingParams(temperature=args.temperature)),
+              ("--top-p", lambda: SamplingParams(top_p=args.top_p)),
+              ("--top-k", lambda: SamplingParams(top_k=args.top_k)),
+              ("--min-p", lambda: SamplingParams(min_p=args.min_p)),
+              ("--repetition-penalty", lambda: SamplingParams(repetition_penalty=args.repetition_penalty)),
+              ("--seed", lambda: SamplingParams(seed=args.seed)),
+              ("--stop", lambda: check_stop(args.stop))]
+    if args.logprobs is not None and args.logprobs < 0:
+        parser.error(f"argument --logprobs: must be >= 0, got {args.logprobs}")
+    for flag, fn in checks:
+        try:
+            fn()
+        except InvalidRequestError as e:
+            parser.error(f"argument {flag}: {e}")
+
+
+def run(args) -> int:
+    import slotinfer
+
+    model = slotinfer.load(args.model)
+    texts = args.prompts or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
+    chat = args.chat or args.system is not None
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop)
+    if args.logprobs is not None:
+        params.update(logprobs=True, top_logprobs=args.logprobs)
+    prompts, failed = [], {}
+    for i, text in enumerate(texts):
+        try:
+            prompts.append(model.encode_prompt(_render(model, text, args.system) if chat else text))
+        except Exception as e:  # this prompt's own error record; the others still run
+            prompts.append(None)
+            failed[i] = e
+    live = [ids for ids in prompts if ids is not None]
+    out = open(args.output, "w", encoding="utf-8") if args.output else None
+    try:
+        if not live:
+            _write_all(texts, [None] * len(texts), failed, out or sys.stdout)
+            return 0
+        max_len = max(len(ids) + min(args.max_tokens, model.context_length - len(ids)) for ids in live)
+        with slotinfer.Inferencer(model, slots=min(args.slots, len(live)), max_len=max(max_len, 2)) as inf:
+            handles = [None if ids is None else _submit(inf, ids, params, args.seed, i, failed)
+                       for i, ids in enumerate(prompts)]
+            if len(texts) == 1 and handles[0] is not None and args.logprobs is None:
+                _stream(handles[0])  # one prompt: its text as it comes
+                if out is not None:
+                    _write_all(texts, handles, failed, out)
+                return 0
+            show = args.progress if args.progress is not None else sys.stderr.isatty()
+            _write_all(texts, handles, failed, out or sys.stdout, _Progress(len(texts)) if show else None)
+    finally:
+        if out is not None:
+            out.close()
+    return 0
+
+
+def _render(model, text, system):
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user",
+                                                                                            "content": text}]
+    return model.apply_chat_template(messages)
+
+
+def _submit(inf, ids, params, seed, i, failed):
+    try:
+        return inf.submit(ids, seed=None if seed is None else (seed + i) % 2**32, **params)
+    except Exception as e:
+        failed[i] = e
+        return None
+
+
+def _stream(handle):
+    for ev in handle:
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+    handle.result()
+    sys.stdout.write("\n")
+    sys.stdout.flush()  # a closed pipe fails here, inside main, rather than at exit
+
+
+def _write_all(texts, handles, failed, out, progress=None):
+    """One record per prompt, in input order; the prompt recorded is the user's text, never the template."""
+    for i, (text, h) in enumerate(zip(texts, handles)):
+        rec = {"prompt": text}
+        try:
+            if h is None:
+                raise failed[i]
+            c = h.result()
+            rec.update(text=c.text, finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
+                       completion_tokens=len(c.tokens))
+            if c.logprobs is not None:
+                rec.update(tokens=c.tokens, logprobs=c.logprobs)
+            if c.top_logprobs is not None:
+                rec["top_logprobs"] = [[[t, v] for t, v in top] for top in c.top_logprobs]
+        except Exception as e:
+            rec.update(text="", finish_reason="error", error=str(e))
+        out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        if progress is not None:
+            progress.update(i + 1)
+    out.flush()
+    if progress is not None:
+        progress.close()
+
+
+class _Progress:
+    """``[#####     ] 50/100  12.3 prompts/s`` on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, total: int):
+        self.total, self.t0, self.drawn = total, time.perf_counter(), 0.0
+
+    def update(self, done: int):
+        now = time.perf_counter()
+        if done < self.total and now - self.drawn < 0.1:
+            return
+        self.drawn = now
+        width = 30
+        fill = width * done // self.total
+        rate = done / (now - self.t0) if now > self.t0 else 0.0
+        sys.stderr.write(f"\r[{'#' * fill}{' ' * (width - fill)}] {done}/{self.total}  {rate:.1f} prompts/s")
+        sys.stderr.flush()
+
+    def close(self):
+        sys.stderr.write("\n")
+        sys.stderr.flush()

@@ -1,0 +1,274 @@
+"""The ASGI app: OpenAI-compatible routes over one :class:`~slotinfer.Inferencer`.
+
+HTTP is a thin shell over the Inferencer's own machinery: a request becomes one
+``submit`` per choice (never blocking: a full admission queue is a 429 at once), its
+tokens arrive through the handle's asyncio stream, and a client that goes away
+cancels its handles, which frees their slots at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import InvalidRequestError, PromptTooLongError
+from .errors import APIError, bad_param, from_exception
+from .http import EventStream, check_key, disconnected, read_json
+from .metrics import Metrics, Timer
+from .responses import DONE, Shaper, TokenText, sse, usage
+from .schemas import GenerateRequest, parse_chat, parse_classify, parse_completion
+
+DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
+
+
+def build_app(inferencer, *, served_model_name: str | None = None, api_key: str | None = None,
+              max_body_bytes: int = 8 << 20, retry_after: int = 1) -> Starlette:
+    """The ASGI app serving ``inferencer`` (started; closing it stays the caller's).
+
+        >>> inf = slotinfer.Inferencer(slotinfer.load("path/to/model"), slots=32, max_queue=64)
+        >>> app = slotinfer.serve.build_app(inf, served_model_name="my-model", api_key="sk-...")
+        >>> uvicorn.run(app, host="127.0.0.1", port=8000)
+
+    ``api_key`` (when set) is required as ``Authorization: Bearer KEY`` on ``/v1/*``;
+    bodies over ``max_body_bytes`` get 413; ``retry_after`` is the Retry-After of a 429.
+    """
+    server = _Server(inferencer, served_model_name or inferencer.model.path.name, api_key, max_body_bytes,
+                     retry_after)
+    routes = [
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_page, methods=["GET"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/classify", server.classify, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app.state.slotinfer = server
+    return app
+
+
+async def _http_error(request, exc: HTTPException):
+    code = "not_found" if exc.status_code == 404 else None
+    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+
+async def _internal_error(request, exc: Exception):
+    return from_exception(exc).response()
+
+
+class _Server:
+    def __init__(self, inferencer, name: str, api_key, max_body_bytes: int, retry_after: int):
+        self.inf, self.model, self.name = inferencer, inferencer.model, name
+        self.api_key, self.max_body, self.retry_after = api_key, max_body_bytes, retry_after
+        self.metrics = Metrics(inferencer)
+        self.created = int(time.time())
+        self.token_text = TokenText(self.model.tokenizer)
+        # classify runs prefill-only batches on the model outside the slot table, one batch at a time
+        self._classifier = ThreadPoolExecutor(1, thread_name_prefix="slotinfer-classify")
+        self._classify_pending = 0
+
+    # -- plain pages ----------------------------------------------------------------
+
+    async def health(self, request: Request):
+        if self.inf.closed:
+            return JSONResponse({"status": "closed"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.name})
+
+    async def metrics_page(self, request: Request):
+        body, kind = self.metrics.exposition()
+        return Response(body, media_type=kind)
+
+    async def models(self, request: Request):
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.name, "object": "model", "created": self.created, "owned_by": "slotinfer",
+             "max_model_len": self.inf.engine.max_len}]})
+
+    # -- generation -----------------------------------------------------------------
+
+    async def completions(self, request: Request):
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool):
+        t0 = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        try:
+            self._authorize(request)
+            req = (parse_chat if chat else parse_completion)(await self._json(request))
+            self._check_model(req.model)
+            handles, prompt_tokens = self._submit(req)
+        except Exception as e:
+            return self._refuse(endpoint, e)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        shaper = Shaper(chat, self.name, self.token_text)
+        if req.stream:
+            return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
+        return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
+
+    def _submit(self, req: GenerateRequest):
+        """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
+        model, param = self.model, "messages" if req.chat else "prompt"
+        try:
+            prompts = [model.encode_prompt(model.chat_prompt(messages=p) if req.chat else p) for p in req.prompts]
+        except InvalidRequestError as e:  # the prompt itself: too long, empty, ids outside the vocabulary
+            raise APIError(400, str(e), param=param,
+                           code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None) from None
+        loop = asyncio.get_running_loop()
+        handles = []
+        try:
+            for ids in prompts:
+                room = min(self.inf.engine.max_len, model.context_length) - len(ids)
+                max_tokens = req.max_tokens or (max(room, 1) if req.chat else DEFAULT_MAX_TOKENS)
+                for j in range(req.n):
+                    params = dict(req.params)
+                    if "seed" in params:  # n rows of one seeded request: distinct, reproducible draws
+                        params["seed"] = (params["seed"] + j) % 2**32
+                    handles.append(self.inf.submit(ids, block=False, loop=loop, max_tokens=max_tokens,
+                                                   logprobs=req.logprobs, top_logprobs=req.top_logprobs, **params))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles, sum(map(len, prompts))
+
+    async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint):
+        rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0))) for h in handles]
+        everything = asyncio.gather(*rows)
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait([everything, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            for h in handles:
+                h.cancel()  # a no-op for those that ended
+        if not everything.done():  # the client went away: its rows are cancelled, no one reads an answer
+            everything.cancel()
+            self.metrics.outcome(endpoint, "cancelled")
+            return Response(status_code=499)
+        try:
+            results = everything.result()
+        except Exception as e:
+            return self._refuse(endpoint, e)
+        self.metrics.outcome(endpoint, "ok")
+        used = usage(prompt_tokens, sum(len(c.tokens) for c in results))
+        return JSONResponse(shaper.completion([(i, c, req.logprobs) for i, c in enumerate(results)], used))
+
+    async def _drain(self, handle, timer):
+        async for _ in handle:
+            timer.tick()
+        return handle.result()
+
+    async def _stream(self, req, handles, shaper, t0, prompt_tokens, endpoint):
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, handle):
+            timer = Timer(self.metrics, t0)
+            async for ev in handle:
+                timer.tick()
+                events.put_nowait((i, ev))
+            events.put_nowait((i, None))
+
+        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        outcome, generated = "cancelled", 0
+        try:
+            if req.chat:
+                for i in range(len(handles)):
+                    yield shaper.chunk(i, "", first=True)
+            left, failed = len(handles), None
+            while left:
+                i, ev = await events.get()
+                if ev is not None:  # a chunk per token, even one whose text waits for more bytes
+                    yield shaper.chunk(i, ev.text, logprobs=shaper.event_logprobs(ev))
+                    continue
+                left -= 1
+                try:
+                    c = handles[i].result()
+                except Exception as e:  # this request's rows failed; the stream says so and ends
+                    failed = from_exception(e)
+                    break
+                generated += len(c.tokens)
+                yield shaper.chunk(i, "", finish=c.finish_reason)
+            if failed is not None:
+                outcome = "error"
+                yield sse(failed.body())
+            else:
+                outcome = "ok"
+                if req.include_usage:
+                    yield shaper.usage_chunk(usage(prompt_tokens, generated))
+            yield DONE
+        finally:
+            for h in handles:
+                h.cancel()  # the client left (or a row failed): free the slots at the next step
+            for p in pumps:
+                p.cancel()
+            self.metrics.outcome(endpoint, outcome)
+
+    # -- classification -------------------------------------------------------------
+
+    async def classify(self, request: Request):
+        try:
+            self._authorize(request)
+            req = parse_classify(await self._json(request))
+            self._check_model(req.model)
+            if req.labels is None:
+                raise bad_param("labels", "'labels' is required: the classes to choose from")
+            bound = self.inf._max_queue  # classify waits in its own line, as long as the engine's (0: unbounded)
+            if bound and self._classify_pending >= bound:
+                raise APIError(429, f"{bound} classification requests are already waiting; retry later",
+                               type="rate_limit_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(self.retry_after)})
+            self._classify_pending += 1
+            try:
+                results = await asyncio.get_running_loop().run_in_executor(self._classifier, self._run_classify, req)
+            finally:
+                self._classify_pending -= 1
+            for i, r in enumerate(results):
+                if r.error is not None:
+                    raise APIError(400, f"input[{i}]: {r.error}", param="input")
+        except Exception as e:
+            return self._refuse("classify", e)
+        self.metrics.outcome("classify", "ok")
+        tokens = sum(r.prompt_tokens for r in results)
+        self.metrics.prompt_tokens.inc(tokens)
+        return JSONResponse({"object": "list", "model": self.name,
+                             "data": [{"index": i, "label": r.label, "scores": r.scores} for i, r in enumerate(results)],
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _run_classify(self, req):
+        import mlx.core as mx
+
+        if not hasattr(self, "_classify_stream"):  # the executor's one thread gets a stream of its own
+            self._classify_stream = mx.new_stream(mx.default_device())
+        with mx.stream(self._classify_stream):
+            out = self.model.classify(req.inputs, labels=req.labels, prefix=req.prefix, label_prefix=req.label_prefix)
+            mx.synchronize(self._classify_stream)
+        return out
+
+    # -- the shell --------------------------------------------------------------------
+
+    def _refuse(self, endpoint: str, e: BaseException) -> Response:
+        err = from_exception(e, retry_after=self.retry_after)
+        self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "invalid",
+                                        429: "rejected"}.get(err.status, "error"))
+        return err.response()
+
+    def _authorize(self, request: Request):
+        check_key(request, self.api_key)
+
+    def _check_model(self, name):
+        if name is not None and name != self.name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.name!r}",
+                           param="model", code="model_not_found")
+
+    async def _json(self, request: Request) -> dict:
+        return await read_json(request, self.max_body)

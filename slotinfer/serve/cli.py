@@ -1,0 +1,80 @@
+"""``slotinfer serve MODEL``: load, start the Inferencer, serve until SIGINT/SIGTERM, exit 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+
+def add_parser(sub):
+    from ..cli import positive_int
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)")
+    p.add_argument("model", help="a model folder, a .gguf file or a hub id (whatever slotinfer.load takes)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
+    p.add_argument("--max-len", type=positive_int, default=2048, help="tokens per slot (prompt + output)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; past it a request gets 429 (0: unbounded)")
+    p.add_argument("--api-key", default=os.environ.get("SLOTINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $SLOTINFER_API_KEY; none: open)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the model's folder name)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get 413")
+    p.add_argument("--grace-period", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are cancelled")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from .app import build_app
+    except ImportError as e:
+        print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing): pip install 'slotinfer[serve]'",
+              file=sys.stderr)
+        return 2
+    if args.max_queue < 0:
+        print("slotinfer: error: --max-queue must be >= 0", file=sys.stderr)
+        return 2
+    import slotinfer
+
+    model = slotinfer.load(args.model)
+    inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue)
+    try:
+        app = build_app(inf, served_model_name=args.served_model_name, api_key=args.api_key,
+                        max_body_bytes=args.max_body_bytes)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                timeout_graceful_shutdown=args.grace_period, lifespan="off")
+        server = uvicorn.Server(config)
+        try:
+            sock = _bind(args.host, args.port)  # bound here so that port 0's pick can be announced at any log level
+        except OSError as e:
+            print(f"slotinfer: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+            return 2
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"slotinfer serve: {app.state.slotinfer.name} running on http://{host}:{sock.getsockname()[1]} "
+              f"({args.slots} slots of {args.max_len} tokens, max queue {args.max_queue or 'unbounded'}, "
+              f"API key {'required' if args.api_key else 'not required'})", file=sys.stderr, flush=True)
+        # uvicorn re-raises the signal that stopped it once it has shut down; a handler that
+        # ignores it lets a requested shutdown end as a success (exit 0) instead of a kill.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        server.run(sockets=[sock])
+    finally:
+        inf.close(drain=False, timeout=args.grace_period)  # whatever is left ends as cancelled
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts: none refused after the announcement
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,54 @@
+"""One mapping from what goes wrong to an OpenAI-style error response.
+
+Every error the server returns has the body ``{"error": {"message", "type", "param",
+"code"}}`` and the status an OpenAI client expects (400 -> ``openai.BadRequestError``,
+401 -> ``AuthenticationError``, 404 -> ``NotFoundError``, 429 -> ``RateLimitError``,
+500 -> ``InternalServerError``).  slotinfer's typed errors map here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from ..errors import (EngineClosed, EngineError, InvalidRequestError, PromptTooLongError, QueueFull,
+                      TokenizerError)
+
+
+class APIError(Exception):
+    """An error to answer with: HTTP status, message, and the OpenAI body's type/param/code."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_param(param: str, message: str) -> APIError:
+    """400 naming the parameter at fault."""
+    return APIError(400, message, param=param)
+
+
+def from_exception(e: BaseException, *, retry_after: int = 1) -> APIError:
+    """The response for an exception raised while taking or running a request."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, PromptTooLongError):
+        return APIError(400, str(e), code="context_length_exceeded")
+    if isinstance(e, (InvalidRequestError, TokenizerError)):
+        return APIError(400, str(e))
+    if isinstance(e, QueueFull):
+        return APIError(429, f"the server is at capacity: {e}", type="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(retry_after)})
+    if isinstance(e, EngineClosed):
+        return APIError(503, "the server is shutting down and takes no new requests", type="server_error",
+                        code="shutting_down")
+    if isinstance(e, EngineError):
+        return APIError(500, str(e), type="server_error", code="engine_error")
+    return APIError(500, f"internal error: {e!r}", type="server_error", code="internal_error")

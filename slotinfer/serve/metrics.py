@@ -1,0 +1,49 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, inferencer):
+        r = self.registry = CollectorRegistry()
+        stat = lambda key: (lambda: inferencer.stats()[key])  # noqa: E731  read at scrape time
+        Gauge("slotinfer_requests_running", "Requests holding a slot", registry=r).set_function(stat("active_slots"))
+        Gauge("slotinfer_requests_waiting", "Requests waiting for a slot", registry=r).set_function(stat("waiting"))
+        Gauge("slotinfer_prefill_tokens_per_second", "Prefill tokens/s since start (time in prefill only)",
+              registry=r).set_function(stat("prefill_tokens_per_s"))
+        Gauge("slotinfer_decode_tokens_per_second", "Decode tokens/s since start (time in engine steps only)",
+              registry=r).set_function(stat("decode_tokens_per_s"))
+        self.requests = Counter("slotinfer_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
+                                registry=r)
+        self.prompt_tokens = Counter("slotinfer_prompt_tokens", "Prompt tokens taken", registry=r)
+        self.generation_tokens = Counter("slotinfer_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("slotinfer_time_to_first_token_seconds", "From request arrival to its first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("slotinfer_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             buckets=_LATENCY, registry=r)
+
+    def outcome(self, endpoint: str, outcome: str):
+        self.requests.labels(endpoint, outcome).inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class Timer:
+    """Times one row's tokens as the server hands them on: TTFT once, then each gap."""
+
+    def __init__(self, metrics: Metrics, t0: float):
+        self.metrics, self.last, self.first = metrics, t0, True
+
+    def tick(self):
+        now = time.perf_counter()
+        (self.metrics.ttft if self.first else self.metrics.itl).observe(now - self.last)
+        self.first, self.last = False, now
+        self.metrics.generation_tokens.inc()

@@ -1,0 +1,138 @@
+"""Response bodies in OpenAI's shapes: whole completions, stream chunks, logprobs, usage."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+
+class Shaper:
+    """Builds the bodies of one request (one id, one ``created``), completion or chat."""
+
+    def __init__(self, chat: bool, model: str, token_text: TokenText):
+        self.chat, self.model = chat, model
+        self.token_text = lambda t: token_text(t)[0]
+        self.token_bytes = lambda t: list(token_text(t)[1])
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    # -- whole responses ----------------------------------------------------------
+
+    def completion(self, rows, usage: dict) -> dict:
+        """``rows``: (index, Completion, with_logprobs) in choice order."""
+        choices = []
+        for index, c, lp in rows:
+            choice = {"index": index, "finish_reason": finish_reason(c.finish_reason),
+                      "logprobs": self.logprobs(c.tokens, c.logprobs, c.top_logprobs) if lp else None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            choices.append(choice)
+        return {**self._head(False), "choices": choices, "usage": usage}
+
+    # -- stream chunks ------------------------------------------------------------
+
+    def chunk(self, index: int, text: str, *, first: bool = False, logprobs=None, finish: str | None = None) -> str:
+        choice = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason(finish) if finish else None}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text or
+                                                                                     not finish else {})
+        else:
+            choice["text"] = text
+        return sse({**self._head(True), "choices": [choice]})
+
+    def usage_chunk(self, usage: dict) -> str:
+        return sse({**self._head(True), "choices": [], "usage": usage})
+
+    # -- logprobs -----------------------------------------------------------------
+
+    def logprobs(self, tokens, logprobs, tops) -> dict:
+        """Per-token log-probabilities in the chat (``content``) or completions format."""
+        tops = tops or [None] * len(tokens)
+        if self.chat:
+            return {"content": [self._chat_entry(t, lp, top) for t, lp, top in zip(tokens, logprobs, tops)]}
+        texts = [self.token_text(t) for t in tokens]
+        offsets, at = [], 0
+        for s in texts:
+            offsets.append(at)
+            at += len(s)
+        return {"tokens": texts, "token_logprobs": list(logprobs), "text_offset": offsets,
+                "top_logprobs": [{self.token_text(i): v for i, v in top} for top in tops] if tops[0] is not None
+                else None}
+
+    def _chat_entry(self, token, logprob, top) -> dict:
+        return {"token": self.token_text(token), "logprob": logprob, "bytes": self.token_bytes(token),
+                "top_logprobs": [{"token": self.token_text(i), "logprob": v, "bytes": self.token_bytes(i)}
+                                 for i, v in (top or [])]}
+
+    def event_logprobs(self, ev) -> dict | None:
+        """The logprobs of one streamed token, in this endpoint's format (None when not asked)."""
+        if ev.logprob is None:
+            return None
+        return self.logprobs([ev.token], [ev.logprob], [ev.top_logprobs] if ev.top_logprobs is not None else None)
+
+
+class TokenText:
+    """Each token's own bytes and text, for logprobs (cached: bounded by the vocabulary).
+
+    A byte-level BPE token (GPT-2's byte-to-character map) or a ``<0xNN>`` byte token may hold
+    part of a UTF-8 character: its ``bytes`` are exact, its text shows what decodes.
+    """
+
+    def __init__(self, tokenizer):
+        import tokenizers
+
+        self.tokenizer, self._cache = tokenizer, {}
+        self._byte_level = isinstance(tokenizer.backend.decoder, tokenizers.decoders.ByteLevel)
+        self._unbyte = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def __call__(self, token: int) -> tuple[str, bytes]:
+        got = self._cache.get(token)
+        if got is None:
+            got = self._cache[token] = self._compute(token)
+        return got
+
+    def _compute(self, token: int) -> tuple[str, bytes]:
+        tok = self.tokenizer
+        piece = tok.id_to_token(token) if 0 <= token < tok.vocab_size else None
+        data = None
+        if piece is not None and tok.is_byte_token(token):
+            data = bytes([int(piece[3:5], 16)])
+        elif piece is not None and self._byte_level and all(c in self._unbyte for c in piece):
+            data = bytes(self._unbyte[c] for c in piece)
+        text = tok.decode([token])
+        return text, data if data is not None else text.encode("utf-8")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values to printable characters (byte-level BPE vocabularies)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str) -> str:
+    """OpenAI knows "stop" and "length"; a cancelled row (the server shutting down) reads as "stop"."""
+    return "length" if reason == "length" else "stop"
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

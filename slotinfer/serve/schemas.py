@@ -1,0 +1,199 @@
+"""Request schemas of the OpenAI-compatible API: JSON bodies in, validated requests out.
+
+Each parser takes the decoded JSON body and returns a dataclass, or raises an
+:class:`~slotinfer.serve.errors.APIError` (400) that names the parameter at fault.
+Fields the engine cannot honour are refused by name instead of being ignored;
+fields that change nothing here (``user``, ``service_tier``...) are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRequestError
+from ..model import check_stop
+from ..sampling import SamplingParams
+from .errors import bad_param
+
+MAX_N = 64  # choices per request: each is a slot's worth of work
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
+
+@dataclass
+class GenerateRequest:
+    """A validated /v1/completions or /v1/chat/completions request."""
+
+    chat: bool
+    model: str | None
+    prompts: list  # completions: strings or id lists; chat: one list of messages
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    params: dict = field(default_factory=dict)  # for Inferencer.submit
+
+
+@dataclass
+class ClassifyRequest:
+    model: str | None
+    inputs: list[str]
+    labels: list[str] | None
+    prefix: str | None
+    label_prefix: str
+
+
+def _get(body, name, kinds, what, default=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise bad_param(name, f"'{name}' must be {what}, got {value!r}")
+    return value
+
+
+def _int(body, name, lo, hi, default=None):
+    value = _get(body, name, (int,), f"an integer in [{lo}, {hi}]", default)
+    if value is not None and not lo <= value <= hi:
+        raise bad_param(name, f"'{name}' must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _bool(body, name, default=False):
+    return _get(body, name, (bool,), "true or false", default)
+
+
+def _sampling(body, params: dict):
+    """temperature, top_p, top_k, min_p, repetition_penalty, seed: the engine's own rules, named."""
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+        if body.get(name) is None:
+            continue
+        try:
+            SamplingParams(**{name: body[name]})
+        except InvalidRequestError as e:
+            raise bad_param(name, str(e)) from None
+        params[name] = body[name]
+    params.setdefault("temperature", 1.0)  # OpenAI's default
+
+
+def _refused(body):
+    """Parameters this server does not implement, refused by name rather than ignored."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise bad_param(name, f"'{name}' is not supported by this server (only 0); use repetition_penalty "
+                                  f"(> 1 discourages repeats) instead")
+    if body.get("logit_bias"):
+        raise bad_param("logit_bias", "'logit_bias' is not supported by this server")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad_param(name, f"'{name}' (tool calling) is not supported by this server")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
+        raise bad_param("response_format", "only response_format {'type': 'text'} is supported by this server")
+
+
+def _common(body, chat: bool, prompts) -> GenerateRequest:
+    _refused(body)
+    model = _get(body, "model", (str,), "a string")
+    req = GenerateRequest(chat=chat, model=model, prompts=prompts)
+    req.n = _int(body, "n", 1, MAX_N, 1)
+    req.stream = _bool(body, "stream")
+    opts = _get(body, "stream_options", (dict,), "an object", {})
+    if opts and not req.stream:
+        raise bad_param("stream_options", "'stream_options' is only allowed with stream: true")
+    req.include_usage = _get(opts, "include_usage", (bool,), "true or false", False)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    req.max_tokens = _int(body, key, 1, 2**31 - 1)
+    params = req.params
+    _sampling(body, params)
+    if body.get("stop") is not None:
+        try:
+            params["stop"] = list(check_stop(body["stop"]))
+        except InvalidRequestError as e:
+            raise bad_param("stop", str(e)) from None
+    params["ignore_eos"] = _bool(body, "ignore_eos")
+    params["skip_special_tokens"] = _bool(body, "skip_special_tokens", True)
+    ids = _get(body, "stop_token_ids", (list,), "a list of token ids", None)
+    if ids is not None:
+        params["stop_token_ids"] = ids
+    return req
+
+
+def parse_completion(body: dict) -> GenerateRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise bad_param("prompt", "'prompt' must be a string, a list of strings, a list of token ids, or a list of "
+                                  f"lists of token ids; got {_short(prompt)}")
+    if any(not p for p in prompts):
+        raise bad_param("prompt", "'prompt' must not be empty")
+    for name in ("echo", "suffix"):
+        if body.get(name):
+            raise bad_param(name, f"'{name}' is not supported by this server")
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise bad_param("best_of", "'best_of' is not supported by this server (leave it out, or equal to n)")
+    req = _common(body, False, prompts)
+    top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None:
+        req.logprobs, req.top_logprobs = True, top
+    return req
+
+
+def parse_chat(body: dict) -> GenerateRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_param("messages", f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got "
+                                    f"{_short(messages)}")
+    req = _common(body, True, [[_message(m, i) for i, m in enumerate(messages)]])
+    req.logprobs = _bool(body, "logprobs")
+    req.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_param("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return req
+
+
+def _message(m, i) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad_param(where, f"{where} must be an object with a string 'role', got {_short(m)}")
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_param(f"{where}.content", f"{where}.content: only text parts "
+                                                    f"({{'type': 'text', 'text': ...}}) are supported, got {_short(part)}")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise bad_param(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+    out = {k: v for k, v in m.items() if k not in ("content",)}
+    out["content"] = content or ""
+    return out
+
+
+def parse_classify(body: dict) -> ClassifyRequest:
+    inputs = body.get("input")
+    if isinstance(inputs, str):
+        inputs = [inputs]
+    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) and t for t in inputs):
+        raise bad_param("input", f"'input' must be a non-empty string or list of non-empty strings, got {_short(inputs)}")
+    labels = _get(body, "labels", (list,), "a list of strings")
+    if labels is not None and (not labels or not all(isinstance(x, str) and x for x in labels)):
+        raise bad_param("labels", f"'labels' must be a non-empty list of non-empty strings, got {_short(labels)}")
+    return ClassifyRequest(model=_get(body, "model", (str,), "a string"), inputs=inputs, labels=labels,
+                           prefix=_get(body, "prefix", (str,), "a string"),
+                           label_prefix=_get(body, "label_prefix", (str,), "a string", ""))
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,80 @@
+"""The command-line pieces around the server: ``slotinfer generate`` (streaming, records, chat,
+sampling flags, progress) and ``slotinfer --version``, on a real tiny model."""
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+import slotinfer
+from test_cli import _cli
+
+
+@pytest.fixture(scope="module")
+def folder(model_dir):
+    return str(model_dir("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return slotinfer.load(folder)
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "slotinfer", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"slotinfer {slotinfer.__version__}"
+
+
+def test_one_prompt_streams_its_text(folder, model, capsys):
+    rc, out, _ = _cli(["generate", "--model", folder, "--max-tokens", "12", "Once upon"], capsys)
+    assert rc == 0 and out == model.generate("Once upon", max_tokens=12).text + "\n"
+
+
+def test_chat_records_the_users_text(folder, model, capsys, tmp_path):
+    dest = tmp_path / "out.jsonl"
+    rc, out, err = _cli(["generate", "--model", folder, "--max-tokens", "6", "--system", "Be brief.", "--output",
+                         str(dest), "--progress", "hi", "bye"], capsys)
+    assert rc == 0 and out == ""
+    recs = [json.loads(x) for x in dest.read_text().splitlines()]
+    assert [r["prompt"] for r in recs] == ["hi", "bye"]
+    for r, user in zip(recs, ["hi", "bye"]):
+        want = model.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}], max_tokens=6)
+        assert (r["text"], r["completion_tokens"]) == (want.text, len(want.tokens))
+    assert "2/2" in err  # the progress bar
+
+
+def test_sampling_flags_are_the_librarys(folder, model, capsys, monkeypatch):
+    ref = model.generate("The sea", max_tokens=30, ignore_eos=True).text
+    stop = ref[10:12]
+    flags = ["--max-tokens", "20", "--temperature", "0.8", "--min-p", "0.05", "--repetition-penalty", "1.3",
+             "--seed", "5", "--stop", stop]
+    monkeypatch.setattr("sys.stdin", io.StringIO("The sea\nA cat\n"))
+    rc, out, _ = _cli(["generate", "--model", folder, *flags], capsys)
+    recs = [json.loads(x) for x in out.splitlines()]
+    for i, (r, p) in enumerate(zip(recs, ["The sea", "A cat"])):
+        want = model.generate(p, max_tokens=20, temperature=0.8, min_p=0.05, repetition_penalty=1.3, seed=5 + i,
+                              stop=[stop])
+        assert (r["text"], r["finish_reason"]) == (want.text, want.finish_reason)
+
+
+def test_logprobs_are_recorded(folder, model, capsys):
+    rc, out, _ = _cli(["generate", "--model", folder, "--max-tokens", "5", "--logprobs", "2", "Hello"], capsys)
+    [rec] = [json.loads(x) for x in out.splitlines()]
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf:
+        want = inf.generate("Hello", max_tokens=5, logprobs=True, top_logprobs=2)
+    assert rec["tokens"] == want.tokens and rec["logprobs"] == pytest.approx(want.logprobs)
+    assert [[t for t, _ in top] for top in rec["top_logprobs"]] == [[t for t, _ in top] for top in want.top_logprobs]
+
+
+@pytest.mark.parametrize("flag,value", [("--min-p", "1.5"), ("--repetition-penalty", "0"), ("--stop", ""),
+                                        ("--logprobs", "-1")])
+def test_bad_generate_flags_are_usage_errors(folder, capsys, flag, value):
+    rc, out, err = _cli(["generate", "--model", folder, flag, value, "hello"], capsys)
+    assert rc == 2 and out == "" and f"argument {flag}:" in err
+
+
+def test_serve_without_a_model_is_a_usage_error(capsys):
+    rc, _, err = _cli(["serve"], capsys)
+    assert rc == 2 and "model" in err

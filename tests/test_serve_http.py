@@ -1,0 +1,243 @@
+"""The server over raw HTTP: SSE framing, disconnects, back-pressure (429), body limits (413),
+engine failures, many concurrent streams, and shutdown on SIGINT/SIGTERM."""
+
+import asyncio
+import json
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+import slotinfer
+from slotinfer.serve import build_app
+from slotinfer.serve.background import serving
+
+LONG = {"max_tokens": 4000, "ignore_eos": True}  # runs for seconds unless cancelled (max_len=4096)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return slotinfer.load(model_dir("qwen3"))
+
+
+def _until(cond, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def _events(lines):
+    """SSE ``data:`` payloads of a response, checking the framing on the way."""
+    out = []
+    for block in lines.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: ") and "\n" not in block, block
+        out.append(block[len("data: "):])
+    return out
+
+
+def test_sse_framing(model):
+    with slotinfer.Inferencer(model, slots=2, max_len=128) as inf, serving(build_app(inf)) as url:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.text.endswith("\n\ndata: [DONE]\n\n")
+        events = _events(r.text)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+        assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-1]["choices"] == []
+
+
+def test_a_closed_stream_frees_its_slot(model):
+    with slotinfer.Inferencer(model, slots=2, max_len=4096) as inf, serving(build_app(inf)) as url:
+        with httpx.Client(timeout=60) as c:
+            with c.stream("POST", url + "/v1/completions", json={"prompt": "go", "stream": True, **LONG}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert inf.stats()["active_slots"] == 1
+                steps = inf.stats()["steps"]
+        _until(lambda: inf.stats()["active_slots"] == 0)
+        assert inf.stats()["steps"] - steps < 3000  # cancelled, not run to its 4000 tokens
+
+
+def test_an_aborted_request_frees_its_slot(model):
+    with slotinfer.Inferencer(model, slots=2, max_len=4096) as inf, serving(build_app(inf)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": "go", **LONG}).encode()
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        _until(lambda: inf.stats()["active_slots"] == 1)
+        s.close()
+        _until(lambda: inf.stats()["active_slots"] == 0)
+        assert inf.stats()["decode_tokens"] < 3000
+
+
+def test_full_queue_is_429_at_once_and_others_go_on(model):
+    with slotinfer.Inferencer(model, slots=1, max_len=4096, max_queue=1) as inf, serving(build_app(inf)) as url:
+        with httpx.Client(timeout=60) as a, httpx.Client(timeout=60) as b:
+            with a.stream("POST", url + "/v1/completions", json={"prompt": "first", "stream": True, **LONG}) as ra:
+                first = ra.iter_lines()  # one iterator: dropping one closes the connection
+                next(first)  # holds the only slot
+                with b.stream("POST", url + "/v1/completions", json={"prompt": "second", "stream": True, **LONG}):
+                    _until(lambda: inf.stats()["waiting"] == 1)
+                    t0 = time.monotonic()
+                    r = httpx.post(url + "/v1/completions", json={"prompt": "third", "max_tokens": 2})
+                    assert time.monotonic() - t0 < 5
+                    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+                    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+                    assert next(x for x in first if x).startswith("data: ")  # the running stream goes on
+        _until(lambda: inf.stats()["active_slots"] == 0 and inf.stats()["waiting"] == 0)
+        assert httpx.post(url + "/v1/completions", json={"prompt": "later", "max_tokens": 2}).status_code == 200
+
+
+def test_oversized_body_is_413(model):
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, serving(build_app(inf, max_body_bytes=2000)) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 3000})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x" * 20, "max_tokens": 1}).status_code == 200
+
+
+def test_engine_failure_is_500_for_the_requests_in_flight_only(model):
+    with slotinfer.Inferencer(model, slots=4, max_len=4096) as inf, serving(build_app(inf)) as url:
+        real_step, broken = inf.engine.decoder.step, threading.Event()
+
+        def step(*a, **kw):  # a device failure, injected into the engine's real step
+            if broken.is_set():
+                broken.clear()
+                raise RuntimeError("device lost")
+            return real_step(*a, **kw)
+
+        inf.engine.decoder.step = step
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=httpx.post(url + "/v1/completions", timeout=60,
+                                                                    json={"prompt": "a", **LONG})))
+        t.start()
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "b", "stream": True, **LONG}, timeout=60) as s:
+            lines = s.iter_lines()
+            next(lines)
+            _until(lambda: inf.stats()["active_slots"] == 2)
+            broken.set()
+            rest = [line for line in lines if line]
+        t.join(60)
+        assert out["r"].status_code == 500 and "device lost" in out["r"].json()["error"]["message"]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["type"] == "server_error"
+        after = httpx.post(url + "/v1/completions", json={"prompt": "c", "max_tokens": 4, "temperature": 0})
+        assert after.status_code == 200 and after.json()["choices"][0]["text"] == model.generate("c", max_tokens=4).text
+
+
+def test_64_concurrent_streams_each_get_their_solo_tokens(model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 24))] for _ in range(64)]
+    want = [model.generate(p, max_tokens=16, ignore_eos=True) for p in prompts]
+
+    async def one(client, url, p):
+        text, usage = "", None
+        async with client.stream("POST", url + "/v1/completions", json={
+                "prompt": p, "max_tokens": 16, "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    text += "".join(c["text"] for c in chunk["choices"])
+                    usage = chunk.get("usage") or usage
+        return text, usage["completion_tokens"]
+
+    async def all_of(url):
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, url, p) for p in prompts))
+
+    with slotinfer.Inferencer(model, slots=16, max_len=64, max_queue=64) as inf, serving(build_app(inf)) as url:
+        got = asyncio.run(all_of(url))
+    assert got == [(w.text, len(w.tokens)) for w in want]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_gracefully_with_exit_0(model_dir, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", str(model_dir("qwen3")), "--port", "0",
+                             "--slots", "2", "--max-len", "4096", "--grace-period", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in proc.stderr:
+            m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "the server did not report its address"
+        assert httpx.get(url + "/health").status_code == 200
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "go", "stream": True, **LONG},
+                          timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(sig)
+            try:
+                for _ in lines:  # in flight: cut off after the grace period, not left hanging
+                    pass
+            except httpx.HTTPError:
+                pass
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_bench_serve_drives_the_server_and_the_inferencer_alike(model_dir, capsys):
+    from slotinfer.cli import main
+
+    assert main(["bench", "--serve", "--model", str(model_dir("qwen3")), "--clients", "3", "--requests", "2",
+                 "--gen-tokens", "5", "--prompt-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["3"]]
+    assert [r[1] for r in rows] == ["server", "in-process", "in-process", "server", "ratio"]
+    assert all(float(r[2]) > 0 for r in rows[:4]) and rows[4][-1].endswith("x")
+
+
+def test_bench_serve_counts_every_token_on_both_sides(model):
+    from slotinfer.serve.bench import drive_http, drive_inferencer, workload
+
+    prompts = workload(3, 2, 8, model.tokenizer.vocab_size)
+    with slotinfer.Inferencer(model, slots=3, max_len=32) as inf, serving(build_app(inf)) as url:
+        for r in (asyncio.run(drive_http(url, None, prompts, 5)), asyncio.run(drive_inferencer(inf, prompts, 5))):
+            assert round(r["tokens_per_s"] * r["wall_s"]) == 3 * 2 * 5
+            assert 0 < r["ttft_p50"] <= r["ttft_p95"] < r["wall_s"] and 0 < r["itl_p50"] <= r["itl_p95"]
+
+
+def test_classify_beside_running_streams_changes_neither(model):
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 512) for _ in range(10)] for _ in range(8)]
+    want = [model.generate(p, max_tokens=30, ignore_eos=True).text for p in prompts]
+    texts = ["good food", "a bad day", "fine"] * 6
+    want_cls = model.classify(texts, labels=["yes", "no"], prefix="Q: ")
+    with slotinfer.Inferencer(model, slots=4, max_len=64) as inf, serving(build_app(inf)) as url:
+        def gen(p):
+            body = {"prompt": p, "max_tokens": 30, "ignore_eos": True, "temperature": 0}
+            return httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        def cls(_):
+            body = {"input": texts, "labels": ["yes", "no"], "prefix": "Q: "}
+            return httpx.post(url + "/v1/classify", json=body, timeout=120).json()["data"]
+
+        with ThreadPoolExecutor(12) as ex:
+            got = ex.map(gen, prompts)
+            got_cls = list(ex.map(cls, range(4)))
+            got = list(got)
+    assert got == want
+    for data in got_cls:
+        assert [d["label"] for d in data] == [w.label for w in want_cls]
+        assert [d["scores"]["yes"] for d in data] == pytest.approx([w.scores["yes"] for w in want_cls], abs=1e-4)
