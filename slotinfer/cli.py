@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--slots", type=positive_int, default=32)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    from .ray_cli import add_flags
+    add_flags(p, generate=True)
 
     try:
         from . import classify_cli
@@ -106,6 +108,9 @@ def _dispatch(args, classify_cli) -> int:
     if args.command == "demo":
         from .demo import run
         return run(args.model)
+    if args.command == "generate" and args.ray:
+        from . import ray_cli
+        return ray_cli.run("generate", args)
     if args.command == "generate":
         model = slotinfer.load(args.model)
         prompts = args.prompts or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
