@@ -116,14 +116,16 @@ class Classifier(_Rows):
 
     def __init__(self, model, labels, *, column: str = "text", suffix: str = "", worker_column: str | None = None,
                  **classify_kw):
-        from .classify import encode_labels
+        from .classify import classify, encode_labels
 
         super().__init__(model, column, worker_column)
         self.labels = list(labels)
         self.suffix = suffix
         self.kw = classify_kw
         self.scores_type = pa.struct([(name, pa.float64()) for name in self.labels])
-        encode_labels(self.model, self.labels, classify_kw.get("label_prefix", ""))  # bad labels fail here, once
+        # the job's options fail here, once, before any row: bad labels, a misspelt keyword
+        encode_labels(self.model, self.labels, classify_kw.get("label_prefix", ""))
+        _check_keywords(classify, ("model", "prompts", "labels", "on_result"), classify_kw, "classify")
 
     def __call__(self, batch):
         table = _table(batch)
@@ -235,18 +237,24 @@ def _table(batch) -> pa.Table:
     return pa.Table.from_pandas(batch, preserve_index=False)
 
 
-def _check_params(params: dict):
-    """Generation parameters as :meth:`Engine.make_item` checks them, without making a request."""
+def _check_keywords(fn, taken: tuple, given: dict, what: str):
+    """Every keyword in ``given`` is one that ``fn`` takes and that is not set by this module."""
     import inspect
 
+    allowed = set(inspect.signature(fn).parameters) - set(taken)
+    unknown = sorted(set(given) - allowed)
+    if unknown:
+        raise slotinfer.InvalidRequestError(f"unknown {what} parameter(s) {', '.join(unknown)}; "
+                                            f"the {what} parameters are {', '.join(sorted(allowed))}")
+
+
+def _check_params(params: dict):
+    """Generation parameters as :meth:`Engine.make_item` checks them, without making a request."""
     from .engine import Engine
     from .model import check_max_tokens, check_stop
     from .sampling import SamplingParams
 
-    try:
-        inspect.signature(Engine.make_item).bind(None, [0], **params)
-    except TypeError as e:
-        raise slotinfer.InvalidRequestError(f"generation parameters: {e}") from None
+    _check_keywords(Engine.make_item, ("self", "prompt", "on_token", "loop"), params, "generation")
     check_max_tokens(params.get("max_tokens", 256))
     SamplingParams(*(params.get(k, d) for k, d in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0),
                                                    ("min_p", 0.0), ("repetition_penalty", 1.0), ("seed", None))))

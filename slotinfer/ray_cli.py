@@ -85,6 +85,9 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         raise UsageError("--ray needs --output (a .jsonl file or a .parquet folder) to write and resume")
     parquet = args.output.endswith(".parquet")
     done = _done_parquet(args.output) if parquet else done_ids(args.output)
+    if getattr(args, "quiet", False):  # Ray Data's progress lines too
+        import logging
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
     started = not ray.is_initialized()
     if started:
         ray.init(address=args.ray_address, **({} if args.ray_address else _local_resources()),

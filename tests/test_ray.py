@@ -111,8 +111,10 @@ def test_bad_job_options_fail_before_any_row(model_path):
         sr.Classifier(model_path, labels=["yes", ""])
     with pytest.raises(slotinfer.InvalidRequestError, match="temperature"):
         sr.Generator(model_path, temperature=-1.0)
-    with pytest.raises(slotinfer.InvalidRequestError, match="generation parameters"):
+    with pytest.raises(slotinfer.InvalidRequestError, match="unknown generation parameter.*max_tokenz"):
         sr.Generator(model_path, max_tokenz=4)
+    with pytest.raises(slotinfer.InvalidRequestError, match="unknown classify parameter.*budget"):
+        sr.Classifier(model_path, labels=["yes", "no"], budget=64)
     with pytest.raises(slotinfer.InvalidRequestError, match="actors"):
         sr.actor_options(0)
 
