@@ -134,7 +134,7 @@ class Classifier(_Rows):
         label, scores, error = [None] * n, [None] * n, [None] * n
         good = [i for i, t in enumerate(texts) if isinstance(t, str)]
         for i in set(range(n)) - set(good):
-            error[i] = texts[i].args[0]
+            error[i] = _message(texts[i])
         results = self.model.classify([texts[i] + self.suffix for i in good], labels=self.labels, **self.kw) \
             if good else []
         for i, r in zip(good, results):
@@ -161,9 +161,9 @@ class Generator(_Rows):
         super().__init__(model, column, worker_column)
         self.chat = chat
         self.params = params
+        _check_params(params)  # the job's values, not a row's: a bad one fails here, before any row runs
         self.inferencer = slotinfer.Inferencer(self.model, slots=slots, max_len=max_len,
                                                prefill_tokens=prefill_tokens)
-        _check_params(params)  # the job's values, not a row's: a bad one fails here, before any row runs
 
     async def __call__(self, batch):
         table = _table(batch)
@@ -173,7 +173,7 @@ class Generator(_Rows):
         error: list = [None] * n
         for i, t in enumerate(texts):
             if not isinstance(t, str):
-                error[i] = t.args[0]
+                error[i] = _message(t)
                 continue
             try:
                 prompt = self.model.apply_chat_template([{"role": "user", "content": t}]) if self.chat else t
@@ -262,8 +262,7 @@ def _check_params(params: dict):
 
 
 def _worker_id() -> str:
-    try:
-        ctx = ray.get_runtime_context()
-        return ctx.get_actor_id() or ctx.get_worker_id()
-    except Exception:  # noqa: BLE001 - outside Ray (a test calling the class directly)
+    if not ray.is_initialized():  # called outside Ray: asking Ray would start a local cluster
         return f"pid-{os.getpid()}"
+    ctx = ray.get_runtime_context()
+    return ctx.get_actor_id() or ctx.get_worker_id()

@@ -83,6 +83,8 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
 
     if not args.output:
         raise UsageError("--ray needs --output (a .jsonl file or a .parquet folder) to write and resume")
+    if not os.path.exists(path):  # before a cluster is started for nothing
+        raise UsageError(f"input {path!r} does not exist")
     parquet = args.output.endswith(".parquet")
     done = _done_parquet(args.output) if parquet else done_ids(args.output)
     if getattr(args, "quiet", False):  # Ray Data's progress lines too
@@ -136,8 +138,6 @@ def _node_cores() -> int:
 def _read(path: str):
     import ray
 
-    if not os.path.exists(path):
-        raise UsageError(f"input {path!r} does not exist")
     ext = os.path.splitext(path.rstrip("/"))[1].lower()
     try:
         if ext == ".parquet":

@@ -154,6 +154,15 @@ def test_cli_classify_ray_equals_single_process_and_resumes(cluster, model_path,
     _same(single, again)
 
 
+def test_cli_bad_label_is_a_usage_error_from_the_actors(cluster, model_path, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": 1, "text": "a b c"}) + "\n")
+    rc = _classify_cli(["--ray", "--model", model_path, "--labels", "yes,,no", inp, "-o", tmp_path / "out.jsonl"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the actors could not start" in err and "label ''" in err, err
+    assert not (tmp_path / "out.jsonl").read_text()  # nothing written, nothing to skip on a re-run
+
+
 def _same(single: dict, lines: list[str]):
     rows = [json.loads(x) for x in lines]
     assert sorted(r["id"] for r in rows) == sorted(single)  # every id once
