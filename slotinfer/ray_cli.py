@@ -50,12 +50,13 @@ def run_classify(args) -> int:
 
 
 def run_generate(args) -> int:
-    if len(args.prompts) != 1:
+    given = [args.input] if getattr(args, "input", None) else list(getattr(args, "prompts", None) or [])
+    if len(given) != 1:
         raise UsageError("with --ray, give one INPUT file (a .jsonl, .parquet, .csv or text file) instead of prompts")
     kw = {"model": args.model, "column": args.column or "text", "chat": args.chat, "slots": args.slots,
           "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
           "top_k": args.top_k, "seed": args.seed}
-    return _run("generate", args.prompts[0], args, kw, args.batch_size or 4 * args.slots,
+    return _run("generate", given[0], args, kw, args.batch_size or 4 * args.slots,
                 ["prompt", "text", "finish_reason", "tokens"])
 
 
