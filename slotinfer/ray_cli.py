@@ -97,7 +97,11 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
                  include_dashboard=False, log_to_driver=False, configure_logging=False)
     start = time.perf_counter()
     try:
-        ds, total = _with_ids(_read(path))
+        try:
+            ds, total = _with_ids(_read(path))  # counting the rows reads the whole input
+        except ray.exceptions.RayTaskError as e:
+            raise UsageError(f"cannot read {path!r}: {_last_line(e)} (without --ray, classify reports "
+                             "each bad line in the output and goes on)") from None
         if done:
             ds = ds.map_batches(_Skip(done), batch_format="pyarrow")
         callable_ = sr.Classifier if command == "classify" else sr.Generator

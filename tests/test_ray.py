@@ -163,6 +163,14 @@ def test_cli_bad_label_is_a_usage_error_from_the_actors(cluster, model_path, tmp
     assert not (tmp_path / "out.jsonl").read_text()  # nothing written, nothing to skip on a re-run
 
 
+def test_cli_malformed_input_is_a_usage_error(cluster, model_path, tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "text": "a b"}\n{"id": 2, "text": \n')
+    rc = _classify_cli(["--ray", "--model", model_path, "--labels", "yes,no", inp, "-o", tmp_path / "out.jsonl"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot read {str(inp)!r}" in err, err
+
+
 def _same(single: dict, lines: list[str]):
     rows = [json.loads(x) for x in lines]
     assert sorted(r["id"] for r in rows) == sorted(single)  # every id once
