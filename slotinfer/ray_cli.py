@@ -100,7 +100,7 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         try:
             ds, total = _with_ids(_read(path))  # counting the rows reads the whole input
         except ray.exceptions.RayTaskError as e:
-            raise UsageError(f"cannot read {path!r}: {_last_line(e)} (without --ray, classify reports "
+            raise UsageError(f"cannot read {path!r}: {_cause(e)} (without --ray, classify reports "
                              "each bad line in the output and goes on)") from None
         if done:
             ds = ds.map_batches(_Skip(done), batch_format="pyarrow")
@@ -226,6 +226,16 @@ def _done_parquet(path: str) -> set[str]:
     except Exception as e:  # noqa: BLE001 - a part file cut short by a crash, or a folder of something else
         raise UsageError(f"cannot read the ids already in {path!r}: {e}; move the unreadable part file away") from None
     return {_key(x) for x in ids}
+
+
+def _cause(e: BaseException) -> str:
+    """The exception a Ray task raised, without Ray's traceback and retry advice around it."""
+    for _ in range(8):  # a chain of wrappers, never a loop
+        inner = getattr(e, "cause", None) or e.__cause__
+        if inner is None:
+            break
+        e = inner
+    return f"{type(e).__name__}: {e}"
 
 
 def _last_line(e: BaseException) -> str:

@@ -168,7 +168,7 @@ def test_cli_malformed_input_is_a_usage_error(cluster, model_path, tmp_path, cap
     inp.write_text('{"id": 1, "text": "a b"}\n{"id": 2, "text": \n')
     rc = _classify_cli(["--ray", "--model", model_path, "--labels", "yes,no", inp, "-o", tmp_path / "out.jsonl"])
     err = capsys.readouterr().err
-    assert rc == 2 and f"cannot read {str(inp)!r}" in err, err
+    assert rc == 2 and f"cannot read {str(inp)!r}: ValueError" in err, err
 
 
 def _same(single: dict, lines: list[str]):
