@@ -92,17 +92,25 @@ def test_generator_rows_equal_batch_generate_greedy(cluster, model_path, model):
     assert len({r["worker"] for r in got}) == 2
 
 
-def test_generator_keeps_one_engine_for_the_actor_life(model_path):
-    """Consecutive batches go to the same Inferencer: the actor's engine counts every row it was given."""
+def test_generator_batches_in_flight_share_one_slot_table(model_path):
+    """Batches the actor runs at once (as Ray Data's async path does) decode together in one engine."""
     import asyncio
 
     import pyarrow as pa
 
-    gen = sr.Generator(model_path, column="prompt", max_tokens=3, slots=2, max_len=32)
-    for batch in (["one two", "three four five"], ["six", "seven eight"]):
-        out = asyncio.run(gen(pa.table({"prompt": batch})))
+    gen = sr.Generator(model_path, column="prompt", max_tokens=12, ignore_eos=True, slots=4, max_len=48)
+
+    async def two_batches():
+        return await asyncio.gather(gen(pa.table({"prompt": ["one two", "three four five"]})),
+                                    gen(pa.table({"prompt": ["six", "seven eight"]})))
+
+    for out in asyncio.run(two_batches()):
         assert out.column("error").to_pylist() == [None, None]
-    assert gen.inferencer.engine.counters["submitted"] == 4
+        assert [len(t) for t in out.column("tokens").to_pylist()] == [12, 12]
+    stats = gen.inferencer.engine.counters
+    assert stats["submitted"] == 4
+    # one batch at a time would decode 2 rows a step; together the 4 rows fill the 4 slots
+    assert stats["occupancy"] / stats["steps"] > 3, dict(stats)
     gen.inferencer.close()
 
 
