@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 ray = pytest.importorskip("ray", reason="Ray Data is the optional extra slotinfer[ray]")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -130,7 +132,16 @@ def test_bad_job_options_fail_before_any_row(model_path):
 def test_actor_options_share_the_cores():
     opts = sr.actor_options(2, device="cpu", cores=8)
     assert opts["num_cpus"] == 3.5 and opts["runtime_env"]["env_vars"]["SLOTINFER_BLAS_THREADS"] == "4"
-    assert sr.actor_options(3, device="cpu", cores=2)["runtime_env"]["env_vars"]["SLOTINFER_BLAS_THREADS"] == "1"
+    assert opts["compute"].min_size == opts["compute"].max_size == 2
+
+
+@given(actors=st.integers(1, 64), cores=st.integers(1, 256))
+def test_actor_options_never_oversubscribe_a_node(actors, cores):
+    opts = sr.actor_options(actors, device="cpu", cores=cores)
+    threads = int(opts["runtime_env"]["env_vars"]["SLOTINFER_BLAS_THREADS"])
+    assert threads >= 1 and (threads * actors <= cores or threads == 1)
+    # all the actors fit on one node and leave a CPU for reading and writing (where the node has two)
+    assert actors * opts["num_cpus"] <= max(cores - 1, 1) + 1e-9
 
 
 def _classify_cli(args):
