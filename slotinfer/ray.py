@@ -98,10 +98,13 @@ class _Rows:
     def _finish(self, table: pa.Table, added: dict) -> pa.Table:
         if self.worker_column:
             added[self.worker_column] = ([self.worker] * table.num_rows, pa.string())
+        taken = sorted(set(added) & set(table.column_names))
+        if taken:  # the job's set-up, not a row's: an input column is never overwritten silently
+            raise slotinfer.InvalidRequestError(
+                f"the dataset already has column(s) {', '.join(taken)}, which {type(self).__name__} adds; "
+                "rename or drop them first (Dataset.rename_columns / drop_columns)")
         for name, (values, typ) in added.items():
-            col = pa.array(values, type=typ)
-            i = table.schema.get_field_index(name)
-            table = table.set_column(i, name, col) if i >= 0 else table.append_column(name, col)
+            table = table.append_column(name, pa.array(values, type=typ))
         return table
 
 

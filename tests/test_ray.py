@@ -116,6 +116,14 @@ def test_generator_batches_in_flight_share_one_slot_table(model_path):
     gen.inferencer.close()
 
 
+def test_an_input_column_is_never_overwritten(model_path):
+    import pyarrow as pa
+
+    clf = sr.Classifier(model_path, labels=["yes", "no"])
+    with pytest.raises(slotinfer.InvalidRequestError, match="already has column.*error"):
+        clf(pa.table({"text": ["a b"], "error": ["from an earlier step"]}))
+
+
 def test_bad_job_options_fail_before_any_row(model_path):
     with pytest.raises(slotinfer.InvalidRequestError, match="label"):
         sr.Classifier(model_path, labels=["yes", ""])
