@@ -102,6 +102,10 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         except ray.exceptions.RayTaskError as e:
             raise UsageError(f"cannot read {path!r}: {_cause(e)} (without --ray, classify reports "
                              "each bad line in the output and goes on)") from None
+        names, column = ds.schema().names, kw["column"]
+        if column not in names:
+            raise UsageError(f"{path!r} has no column {column!r} (columns: {', '.join(names)}); choose one with --column")
+        ds = ds.select_columns(["id", column])  # the output's columns only: other input columns never collide
         if done:
             ds = ds.map_batches(_Skip(done), batch_format="pyarrow")
         callable_ = sr.Classifier if command == "classify" else sr.Generator

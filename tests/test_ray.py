@@ -198,6 +198,19 @@ def test_cli_malformed_input_is_a_usage_error(cluster, model_path, tmp_path, cap
     assert rc == 2 and f"cannot read {str(inp)!r}: ValueError" in err, err
 
 
+def test_cli_other_input_columns_do_not_reach_the_output(cluster, model_path, tmp_path):
+    """A gold `label` column in INPUT neither collides with the added `label` nor leaks into OUT."""
+    inp = tmp_path / "gold.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "sentence": s, "label": "gold"}) + "\n"
+                           for i, s in enumerate(_sentences(4))))
+    out = tmp_path / "out.jsonl"
+    assert _classify_cli(["--ray", "-q", "--column", "sentence", "--model", model_path, "--labels", "yes,no",
+                          inp, "-o", out]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == [0, 1, 2, 3]
+    assert all(set(r) == {"id", "label", "scores"} and r["label"] in ("yes", "no") for r in rows)
+
+
 def _same(single: dict, lines: list[str]):
     rows = [json.loads(x) for x in lines]
     assert sorted(r["id"] for r in rows) == sorted(single)  # every id once
