@@ -106,6 +106,8 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         if column not in names:
             raise UsageError(f"{path!r} has no column {column!r} (columns: {', '.join(names)}); choose one with --column")
         ds = ds.select_columns(["id", column])  # the output's columns only: other input columns never collide
+        if command == "generate" and column != "prompt":  # the output names the input `prompt`, whatever INPUT did
+            ds, kw = ds.rename_columns({column: "prompt"}), {**kw, "column": "prompt"}
         if done:
             ds = ds.map_batches(_Skip(done), batch_format="pyarrow")
         callable_ = sr.Classifier if command == "classify" else sr.Generator
