@@ -211,6 +211,19 @@ def test_cli_other_input_columns_do_not_reach_the_output(cluster, model_path, tm
     assert all(set(r) == {"id", "label", "scores"} and r["label"] in ("yes", "no") for r in rows)
 
 
+def test_cli_generate_ray_jsonl_names_the_input_prompt(cluster, model_path, model, tmp_path):
+    prompts = _sentences(6)
+    inp = tmp_path / "q.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"q{i}", "question": p}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--ray", "--actors", "2", "--column", "question", "--max-tokens", "4", "--slots", "2",
+                 "--model", model_path, str(inp), "--output", str(out)]) == 0
+    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for i, w in enumerate(model.batch_generate(prompts, max_tokens=4)):
+        assert rows[f"q{i}"] == {"id": f"q{i}", "prompt": prompts[i], "text": w.text,
+                                 "finish_reason": w.finish_reason, "tokens": w.tokens}
+
+
 def _same(single: dict, lines: list[str]):
     rows = [json.loads(x) for x in lines]
     assert sorted(r["id"] for r in rows) == sorted(single)  # every id once
