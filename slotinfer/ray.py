@@ -31,9 +31,13 @@ import asyncio
 import os
 
 import numpy as np
-import pyarrow as pa
-import ray  # the Ray package itself: absolute imports never resolve to this module
-import ray.data
+
+try:
+    import pyarrow as pa
+    import ray  # the Ray package itself: absolute imports never resolve to this module
+    import ray.data
+except ImportError as e:
+    raise ImportError(f"slotinfer.ray needs Ray Data ({e}); install it with: pip install 'slotinfer[ray]'") from e
 
 import slotinfer
 

@@ -66,8 +66,8 @@ def run(command: str, args) -> int:
 
     try:
         return (run_classify if command == "classify" else run_generate)(args)
-    except ImportError as e:
-        print(f"slotinfer {command}: error: --ray needs Ray Data ({e}): pip install 'slotinfer[ray]'", file=sys.stderr)
+    except ImportError as e:  # slotinfer.ray's own message: what is missing and the extra to install
+        print(f"slotinfer {command}: error: {e}", file=sys.stderr)
         return 2
     except (UsageError, InvalidRequestError) as e:
         print(f"slotinfer {command}: error: {e}", file=sys.stderr)
@@ -78,9 +78,9 @@ def run(command: str, args) -> int:
 
 
 def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[str]) -> int:
-    import ray
+    import slotinfer.ray as sr  # first: without Ray it says what to install
 
-    import slotinfer.ray as sr
+    import ray
 
     if not args.output:
         raise UsageError("--ray needs --output (a .jsonl file or a .parquet folder) to write and resume")
