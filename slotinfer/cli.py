@@ -52,6 +52,8 @@ def main(argv=None) -> int:
 
     from . import generate_cli
     gen = generate_cli.add_parser(sub)
+    from .ray_cli import add_flags
+    add_flags(gen, generate=True)
 
     try:
         from . import classify_cli
@@ -90,6 +92,9 @@ def _dispatch(args, classify_cli) -> int:
     if args.command == "demo":
         from .demo import run
         return run(args.model)
+    if args.command == "generate" and args.ray:
+        from . import ray_cli
+        return ray_cli.run("generate", args)
     if args.command == "generate":
         from .generate_cli import run
         return run(args)
