@@ -10,6 +10,8 @@ library, as it would with OpenBLAS preloaded (``--mlx-lm-own-loops`` lets it use
     python benchmarks/bench_engine.py                 # needs `pip install mlx-lm` for the comparison
     python benchmarks/bench_engine.py --slots 32 --repeats 3
     python benchmarks/bench_engine.py --slots 32 --repeats 4 --each   # every repeat printed too
+    python benchmarks/bench_engine.py --smollm2       # the default model's GGUF; mlx-lm on the same
+                                                      # weights as f32 safetensors (benchmarks/export_hf.py)
 """
 
 import argparse
@@ -47,10 +49,24 @@ def main():
     ap.add_argument("--mlx-lm-own-loops", action="store_true",
                     help="let mlx-lm's matmuls use slotinfer's own loops too (default: the plain library)")
     ap.add_argument("--each", action="store_true", help="print every repeat, not only the medians")
+    ap.add_argument("--smollm2", action="store_true",
+                    help="SmolLM2-135M-Instruct: slotinfer loads its GGUF, mlx-lm the same weights exported as "
+                         "Hugging Face-layout f32 safetensors")
     args = ap.parse_args()
 
-    path = bench_model_path()
-    model = slotinfer.load(path)
+    if args.smollm2:
+        from export_hf import export
+        from slotinfer import default_model
+        from slotinfer.bench import CACHE
+        if default_model.path() is None:
+            raise SystemExit(f"the default model is not installed: {default_model.INSTALL}")
+        model = slotinfer.load(default_model.path())
+        path = CACHE / "bench" / "smollm2-hf"
+        if not (path / "model.safetensors").exists():
+            export(default_model.path(), path)
+    else:
+        path = bench_model_path()
+        model = slotinfer.load(path)
     lm = None
     if not args.no_mlx_lm:
         try:
@@ -59,8 +75,12 @@ def main():
             lm.set_dtype(mx.float32)
         except ImportError:
             print("mlx-lm not installed: `pip install mlx-lm` for the side-by-side column")
-    print(f"BLAS {slotinfer.BLAS.name}; slotinfer dtype {model.dtype}; median of {args.repeats}")
-    print(f"{'seqs':>4} {'slotinfer tok/s':>16} {'mlx-lm f32 tok/s':>17} {'ratio':>6}")
+    from mlx.utils import tree_flatten
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.net.parameters()))
+    print(f"BLAS {slotinfer.BLAS.name}; slotinfer dtype {model.dtype}; weights {weight_bytes / 1e6:.0f} MB; "
+          f"median of {args.repeats}")
+    # every decode step reads every weight once: steps/s x weight bytes is the bandwidth the step draws
+    print(f"{'seqs':>4} {'slotinfer tok/s':>16} {'weights GB/s':>13} {'mlx-lm f32 tok/s':>17} {'ratio':>6}")
     for slots in [int(s) for s in args.slots.split(",")]:
         ours, theirs = [], []
         prompts = prompts_of(model, slots, args.prompt_tokens, seed=slots)
@@ -78,7 +98,8 @@ def main():
                 print(f"     repeat {len(ours)}: slotinfer {ours[-1]:.1f}, mlx-lm {them}", flush=True)
         a = statistics.median(ours)
         b = statistics.median(theirs) if theirs else float("nan")
-        print(f"{slots:>4} {a:>16.1f} {b:>17.1f} {a / b:>6.2f}", flush=True)
+        gbs = a / slots * weight_bytes / 1e9
+        print(f"{slots:>4} {a:>16.1f} {gbs:>13.1f} {b:>17.1f} {a / b:>6.2f}", flush=True)
 
 
 if __name__ == "__main__":
