@@ -251,7 +251,8 @@ class Inferencer:
         """Consume requests from ``in_q`` until ``sentinel``; put a :class:`Completion` per request on ``out_q``.
 
         A request is a prompt, a :class:`Request`, or a dict with ``prompt`` and parameters
-        (and optionally ``id``).  Each completion carries ``.request_id``; a request that
+        (and optionally ``id``).  Each completion carries ``.request_id``: the request's ``id``,
+        or its 0-based position among the items read from ``in_q`` when it has none; a request that
         failed, or was malformed, gets ``finish_reason == "error"`` and ``.error``.  Returns
         once every request's completion is on ``out_q``, after putting ``sentinel`` there.
         A full admission queue blocks the reading of ``in_q`` (backpressure); ``out_q`` is
@@ -275,8 +276,8 @@ class Inferencer:
         forwarder.start()
         try:
             while (req := in_q.get()) is not sentinel:
+                rid = _request_id(req, count)
                 count += 1
-                rid = _request_id(req)
                 try:
                     prompt, params = _request_parts(req)
                     handle = self.submit(prompt, **params)
@@ -347,10 +348,13 @@ class _Total:
     n: int
 
 
-def _request_id(req):
+def _request_id(req, position: int):
+    """The id a completion carries: the request's own, else its position in ``in_q`` (0-based)."""
     if isinstance(req, Request):
-        return req.id
-    return req.get("id") if isinstance(req, dict) else None
+        rid = req.id
+    else:
+        rid = req.get("id") if isinstance(req, dict) else None
+    return position if rid is None else rid
 
 
 def _request_parts(req) -> tuple[object, dict]:

@@ -259,7 +259,7 @@ def test_serve_queue_answers_every_request_once_and_the_sentinel_last(models):
     m = models["qwen3"]
     reqs = [{"id": "no prompt", "max_tokens": 4}, {"id": "bad", "prompt": "x", "top_logprobs": 10**6},
             slotinfer.Request("a request", {"max_tokens": 3}, id="req"), "a bare prompt"]
-    reqs += [{"id": i, "prompt": f"prompt {i}", "max_tokens": 1 + i % 3} for i in range(12)]
+    reqs += [{"id": f"p{i}", "prompt": f"prompt {i}", "max_tokens": 1 + i % 3} for i in range(12)]
     in_q, out_q = queue.Queue(), _SlowQueue()
     for r in reqs:
         in_q.put(r)
@@ -270,11 +270,12 @@ def test_serve_queue_answers_every_request_once_and_the_sentinel_last(models):
     out = [out_q.get_nowait() for _ in range(out_q.qsize())]
     assert out[-1] is None and None not in out[:-1]  # nothing after the sentinel
     by_id = {c.request_id: c for c in out[:-1]}
-    assert len(out) - 1 == len(reqs) == len(by_id)  # one completion each (the bare prompt's id is None)
+    assert len(out) - 1 == len(reqs) == len(by_id)  # one completion each
+    assert 3 in by_id and 3 not in [getattr(r, "id", None) for r in reqs]  # the bare prompt: its position in in_q
     assert isinstance(by_id["no prompt"].error, InvalidRequestError) and "'prompt'" in str(by_id["no prompt"].error)
     assert by_id["bad"].finish_reason == "error" and isinstance(by_id["bad"].error, InvalidRequestError)
     assert by_id["req"].tokens == m.generate("a request", max_tokens=3).tokens
-    assert all(by_id[i].finish_reason in ("length", "stop") for i in range(12))
+    assert all(by_id[f"p{i}"].finish_reason in ("length", "stop") for i in range(12))
     assert after.finish_reason in ("length", "stop")
 
 

