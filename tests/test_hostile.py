@@ -10,6 +10,9 @@ close, slots and compiled variants stay bounded, and the closed Inferencer is fr
 import asyncio
 import gc
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -236,3 +239,17 @@ def test_queue_full_is_the_only_refusal_of_a_valid_request(solo):
             h.result(timeout=60)
         st_ = inf.stats()
     assert (st_["submitted"], st_["refused"]) == (len(accepted), refused) == (2, 4)
+
+
+def test_the_soak_command_prints_rss_and_variants(tmp_path):
+    """``slotinfer bench --soak N``: a line of RSS and compiled variants every N/10 requests,
+    then how every request ended."""
+    env = {**os.environ, "SLOTINFER_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "slotinfer", "bench", "--soak", "60"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = re.findall(r"^\s*(\d+) requests\s+RSS\s+([\d.]+) MiB\s+compiled step variants (\d+)$", proc.stdout, re.M)
+    assert [int(n) for n, _, _ in rows] == list(range(6, 61, 6))
+    assert all(float(rss) > 0 and int(v) <= VARIANTS_BOUND for _, rss, v in rows) and int(rows[-1][2]) > 0
+    ended = re.search(r"^ended: .*submitted (\d+), refused 0, finished (\d+)$", proc.stdout, re.M)
+    assert ended and ended[1] == ended[2]
