@@ -223,7 +223,8 @@ def soak_model_path() -> Path:
     return path
 
 
-def _raising(exc_type, after: int):
+def raising_callback(exc_type, after: int):
+    """An ``on_token`` callback that raises ``exc_type`` at the ``after``-th token, and at each one after."""
     seen = [0]
 
     def on_token(ev):
@@ -254,7 +255,7 @@ def soak_request(rng: random.Random, vocab: int) -> tuple[str, list[int], dict]:
     if kind == "invalid":
         params.update(rng.choice(SOAK_INVALID))
     elif kind == "raise":
-        params["on_token"] = _raising(rng.choice(SOAK_RAISED), rng.randint(1, 3))
+        params["on_token"] = raising_callback(rng.choice(SOAK_RAISED), rng.randint(1, 3))
     return kind, prompt, params
 
 

@@ -102,6 +102,16 @@ class Inferencer:
     ``prefill_tokens`` bounds one prefill call (longer prompts arrive in chunks between
     decode steps); ``max_queue`` bounds how many requests may wait for a slot (0 =
     unbounded): past it, :meth:`submit` blocks or raises :class:`QueueFull`.
+
+    Lifetime: :meth:`close` it (or use ``with``); a closed Inferencer holds no thread and
+    is freed with its slot table once you drop it.  One dropped without ``close()`` is
+    freed too (the worker holds it only during a turn of its loop), and requests it still
+    had end with :class:`EngineClosed`; its worker thread waits, idle, for the next one.
+
+    Nothing a request carries can stop the worker: a callback raising anything
+    (``BaseException`` included) ends its own request with :class:`EngineError`.  Should
+    the loop itself fail (a bug), every request, pending or submitted later, ends with
+    :class:`EngineError` rather than hang.
     """
 
     def __init__(self, model, *, slots: int = 32, max_len: int = 2048, prefill_tokens: int = 512,
@@ -124,7 +134,8 @@ class Inferencer:
         self._worker: threading.Thread | None = None  # the thread running the loop
         self._failure: EngineError | None = None  # set if the loop itself failed (a bug): every request gets it
         self._accepted = self._refused = 0  # requests queued; requests refused at submit (full queue, closed)
-        weakref.finalize(self, _abandoned, self._inbox, self.engine.items)
+        # not at exit: there _close_live cancels what is still running, as close() would
+        weakref.finalize(self, _abandoned, self._inbox, self.engine.items).atexit = False
         if start:
             self.start()
 

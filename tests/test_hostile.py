@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotinfer
+from slotinfer.bench import raising_callback
 from slotinfer.errors import EngineClosed, EngineError, QueueFull
 
 PROMPTS = ["Hello there, how are you today?", "The quick brown fox jumps over the lazy dog.", "x",
@@ -50,17 +51,6 @@ invalid = st.tuples(st.just("invalid"), st.sampled_from(INVALID))
 raising = st.tuples(st.just("raise"), st.sampled_from(RAISED), st.integers(1, 4))
 cancel = st.tuples(st.just("cancel"), st.sampled_from(["at once", "first token", "later"]))
 action = st.one_of(bystander, sampled, invalid, raising, cancel)
-
-
-def _raiser(exc_type, after):
-    seen = [0]
-
-    def on_token(ev):
-        seen[0] += 1
-        if seen[0] >= after:
-            raise exc_type("hostile callback")
-
-    return on_token
 
 
 class _Ledger:
@@ -93,7 +83,7 @@ def _submit(inf, ledger, act, submit=None):
     elif kind == "invalid":
         params, detail = {"max_tokens": 2, **act[1]}, None
     elif kind == "raise":
-        params, detail = dict(max_tokens=6, ignore_eos=True, on_token=_raiser(act[1], act[2])), act[1]
+        params, detail = dict(max_tokens=6, ignore_eos=True, on_token=raising_callback(act[1], act[2])), act[1]
     else:
         params, detail = dict(max_tokens=40, ignore_eos=True), act[1]
     prompt = PROMPTS[act[1]] if kind == "bystander" else PROMPTS[len(kind) % len(PROMPTS)]
