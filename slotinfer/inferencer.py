@@ -31,6 +31,9 @@ from .types import Completion
 
 
 _live: "weakref.WeakSet[Inferencer]" = weakref.WeakSet()
+# Started Inferencers with work in hand: kept alive until it is done even if their user drops
+# them.  Idle, an Inferencer is referred to only by its users (its worker holds a weakref).
+_working: "set[Inferencer]" = set()
 
 
 @atexit.register
@@ -104,9 +107,9 @@ class Inferencer:
     unbounded): past it, :meth:`submit` blocks or raises :class:`QueueFull`.
 
     Lifetime: :meth:`close` it (or use ``with``); a closed Inferencer holds no thread and
-    is freed with its slot table once you drop it.  One dropped without ``close()`` is
-    freed too (the worker holds it only during a turn of its loop), and requests it still
-    had end with :class:`EngineClosed`; its worker thread waits, idle, for the next one.
+    is freed with its slot table once you drop it.  One dropped without ``close()`` finishes
+    the requests it was given and is then freed too (its worker holds it only while it has
+    work); either way its worker thread waits, idle, for the next Inferencer.
 
     Nothing a request carries can stop the worker: a callback raising anything
     (``BaseException`` included) ends its own request with :class:`EngineError`.  Should
@@ -144,10 +147,11 @@ class Inferencer:
     def start(self):
         with self._cv:
             if self._done is None:
-                # The worker holds the Inferencer weakly between turns of its loop, so one dropped
-                # without close() is freed, its slot table with it (and _abandoned ends its requests).
+                # The worker holds the Inferencer weakly while idle, so one dropped without close()
+                # is freed, its slot table with it, once its requests are done.
                 self._done = _workers.run(functools.partial(_work, weakref.ref(self)))
                 _live.add(self)
+                _working.add(self)  # until its worker finds it idle
         return self
 
     def __enter__(self):
@@ -282,6 +286,8 @@ class Inferencer:
             cancelled = self._cancelled  # not self: a handle kept by its user must not keep the Inferencer alive
             item.handle._on_cancel = lambda: cancelled.put(item)
             self._inbox.append(item)
+            if self._done is not None:
+                _working.add(self)
             self._cv.notify_all()
 
     def _count_refused(self):
@@ -360,6 +366,14 @@ class Inferencer:
             engine.step_or_fail()  # a device failure ends the items in flight, not the worker
         return False
 
+    def _idle(self) -> bool:
+        """On the worker: True (and no longer kept alive for work) when nothing is queued or running."""
+        with self._cv:
+            if self._inbox or self.engine.busy:
+                return False
+            _working.discard(self)
+            return True
+
     def _fail(self, error: BaseException):
         """The loop itself failed (a bug): end every request, queued, in flight or submitted later."""
         items = self.engine.items
@@ -398,24 +412,29 @@ class Inferencer:
 
 
 def _work(ref):
-    """The worker's loop over the Inferencer ``ref`` refers to, holding it only during a turn."""
+    """The worker's loop over the Inferencer ``ref`` refers to, holding it only while it has work."""
     inf = ref()
     if inf is None:
         return
     inf._worker = threading.current_thread()
     try:
         while not inf._turn():
-            inf = None  # between turns, the Inferencer lives only as long as its users keep it
+            if not inf._idle():
+                continue
+            inf = None  # idle, the Inferencer lives only as long as its users keep it
             inf = ref()
             if inf is None:
                 return
     except BaseException as e:
         inf._fail(e)
         raise  # reported by the worker thread, which serves on
+    finally:
+        _working.discard(inf)
 
 
 def _abandoned(inbox, items):
-    """An Inferencer dropped without :meth:`~Inferencer.close`: end what it still held, so none hangs."""
+    """An Inferencer freed without :meth:`~Inferencer.close` (one never started, say): end what it
+    still held, so no request hangs."""
     error = EngineClosed("the Inferencer was dropped (garbage-collected) without close() while this request "
                          "was pending; close it, or use it in a `with` block, to let its requests finish")
     for item in [*inbox, *items.waiting, *filter(None, items.by_slot)]:

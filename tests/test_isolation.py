@@ -227,22 +227,31 @@ def test_a_closed_inferencer_is_freed_with_its_kv_cache(models):
     assert mx.get_active_memory() - before < kv
 
 
-def test_an_inferencer_dropped_without_close_is_freed(models):
-    """Dropped unclosed, an Inferencer's worker lets go of it and the KV table is freed;
-    a request still in flight then ends with an error instead of hanging."""
+def test_an_inferencer_dropped_without_close_finishes_its_requests_and_is_freed(models):
     m = models["qwen3"]
     held = {}
 
     def one():
-        inf = slotinfer.Inferencer(m, slots=1, max_len=4096)
-        inf.generate(PROMPT, max_tokens=3)
-        held["h"] = inf.submit(OTHER, **LONG)
-        next(iter(held["h"]))
+        inf = slotinfer.Inferencer(m, slots=1, max_len=256)
+        held["h"] = inf.submit(OTHER, max_tokens=40, ignore_eos=True)
+        return weakref.ref(inf)
+
+    ref = one()
+    assert len(held["h"].result(timeout=60).tokens) == 40  # dropped, it still finished what it was given
+    assert _collectable(lambda: ref)
+
+
+def test_a_never_started_inferencer_dropped_ends_its_requests(models):
+    held = {}
+
+    def one():
+        inf = slotinfer.Inferencer(models["qwen3"], slots=1, max_len=64, start=False)
+        held["h"] = inf.submit(PROMPT, max_tokens=2)
         return weakref.ref(inf)
 
     assert _collectable(one)
-    with pytest.raises(slotinfer.errors.SlotinferError, match="close"):
-        held["h"].result(timeout=30)
+    with pytest.raises(slotinfer.errors.EngineClosed, match="close"):
+        held["h"].result(timeout=10)
 
 
 def _reference_top(m, prompt, tokens, n):
