@@ -10,8 +10,12 @@ speed.  Without the default model installed, bench runs that shape and says so.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
+import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +58,10 @@ def add_arguments(p):
     p.add_argument("--mixed-requests", type=positive_int, default=128, help="requests for --mixed")
     p.add_argument("--mixed-rounds", type=positive_int, default=2,
                    help="runs of each mode for --mixed, alternating continuous/static then static/continuous")
+    p.add_argument("--soak", type=positive_int, nargs="?", const=SOAK_REQUESTS, metavar="N",
+                   help=f"N mixed requests (valid, invalid, cancelled, raising callbacks, any top_logprobs; "
+                        f"default {SOAK_REQUESTS}) through one Inferencer on a tiny random model, printing "
+                        f"RSS and the compiled step variants every N/10 requests")
     p.add_argument("--serve", action="store_true", help="concurrent streaming clients through the HTTP server "
                                                         "against the in-process Inferencer (docs/serve.md)")
     from .serve.bench import add_arguments as add_serve_arguments
@@ -189,7 +197,132 @@ def bench_model(args):
     return model
 
 
+SOAK_REQUESTS = 100_000
+SOAK_RAISED = (ValueError, KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit, MemoryError,
+               StopIteration)
+SOAK_INVALID = (dict(temperature=-1.0), dict(top_logprobs=-1), dict(unknown_keyword=1), dict(stop=5),
+                dict(max_tokens=0), dict(top_p=0.0), dict(on_token="print"))
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (Linux), else its peak, in MiB."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def soak_model_path() -> Path:
+    path = CACHE / "bench" / "tiny-qwen3"
+    if not (path / "config.json").exists():
+        from .testing import make_tiny_model
+        make_tiny_model("qwen3", path)
+    return path
+
+
+def raising_callback(exc_type, after: int):
+    """An ``on_token`` callback that raises ``exc_type`` at the ``after``-th token, and at each one after."""
+    seen = [0]
+
+    def on_token(ev):
+        seen[0] += 1
+        if seen[0] >= after:
+            raise exc_type("raised by a soak callback")
+
+    return on_token
+
+
+def soak_request(rng: random.Random, vocab: int) -> tuple[str, list[int], dict]:
+    """One request of the soak's mix: (kind, prompt ids, parameters); kind is valid, invalid,
+    cancel or raise."""
+    kind = rng.choice(("valid", "valid", "invalid", "cancel", "raise"))
+    prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))]
+    params = dict(max_tokens=rng.randint(1, 8), ignore_eos=rng.random() < 0.5)
+    if rng.random() < 0.5:
+        params.update(temperature=0.8, top_k=rng.choice((0, 5)), top_p=rng.choice((1.0, 0.9)),
+                      seed=rng.randrange(2**32))
+    if rng.random() < 0.5:
+        params["top_logprobs"] = rng.randint(0, vocab)
+    elif rng.random() < 0.3:
+        params["logprobs"] = True
+    if rng.random() < 0.2:
+        params["stop"] = ["ab"]
+    if rng.random() < 0.1:
+        params["repetition_penalty"] = 1.1
+    if kind == "invalid":
+        params.update(rng.choice(SOAK_INVALID))
+    elif kind == "raise":
+        params["on_token"] = raising_callback(rng.choice(SOAK_RAISED), rng.randint(1, 3))
+    return kind, prompt, params
+
+
+def soak(model, n: int, *, slots: int = 4, window: int = 32, seed: int = 0, out=print) -> list[tuple[int, float, int]]:
+    """Run ``n`` :func:`soak_request` s through one Inferencer, at most ``window`` in flight;
+    print and return (requests, RSS MiB, compiled step variants) every ``n // 10`` requests.
+
+    Every accepted request must end exactly once (a result, or EngineError for a raising
+    callback); a request that ends otherwise stops the soak with an AssertionError.
+    """
+    from .errors import EngineError
+
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    every = max(1, n // 10)
+    counts: collections.Counter = collections.Counter()
+    pending: collections.deque = collections.deque()
+    rows, cancel_next = [], None
+
+    def settle(kind, h):
+        try:
+            counts[h.result(timeout=600).finish_reason] += 1
+        except EngineError:
+            assert kind == "raise", f"a {kind} request failed"
+            counts["error"] += 1
+
+    with slotinfer.Inferencer(model, slots=slots, max_len=64, max_queue=window) as inf:
+        for i in range(1, n + 1):
+            if cancel_next is not None:  # cancelled a request later, wherever it got to
+                cancel_next.cancel()
+                cancel_next = None
+            kind, prompt, params = soak_request(rng, vocab)
+            try:
+                h = inf.submit(prompt, **params)
+            except (ValueError, TypeError):
+                assert kind == "invalid", f"a {kind} request was refused"
+                counts["invalid"] += 1
+            else:
+                assert kind != "invalid", f"an invalid request was accepted: {params}"
+                if kind == "cancel":
+                    if rng.random() < 0.5:
+                        h.cancel()
+                    else:
+                        cancel_next = h
+                pending.append((kind, h))
+            while len(pending) > window:
+                settle(*pending.popleft())
+            if i % every == 0 or i == n:
+                row = (i, rss_mib(), inf.engine.decoder.variants)
+                rows.append(row)
+                out(f"{i:>8} requests  RSS {row[1]:8.1f} MiB  compiled step variants {row[2]}", flush=True)
+        while pending:
+            settle(*pending.popleft())
+        stats = inf.stats()
+    out("ended: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) +
+        f"; submitted {stats['submitted']}, refused {stats['refused']}, finished {stats['finished']}")
+    if len(rows) > 2:
+        out(f"RSS after warm-up (at {rows[1][0]} requests) to the end: {rows[-1][1] - rows[1][1]:+.1f} MiB")
+    return rows
+
+
 def run(args) -> int:
+    if args.soak:
+        model = slotinfer.load(args.model or soak_model_path(), dtype=args.dtype)
+        print(f"soak: {args.soak} mixed requests through one Inferencer on {model}", flush=True)
+        soak(model, args.soak)
+        return 0
     if args.serve:
         from .serve.bench import run as run_serve
         return run_serve(args)

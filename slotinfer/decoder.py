@@ -26,6 +26,13 @@ class Decoder:
         self.net, self.table = net, table
         self._compiled = {}
 
+    @property
+    def variants(self) -> int:
+        """How many step variants exist: bounded by the configuration (span buckets x sampling
+        modes x the few logprob counts of :func:`~slotinfer.sampling.top_n_computed`), never by
+        what requests ask for."""
+        return len(self._compiled)
+
     def step(self, tokens, positions, span: int, rows: "RowParams", *, top_n: int = -1):
         """Run one step; returns ``(next_tokens [b], logprob outputs)``, all lazy.
 

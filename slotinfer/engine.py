@@ -22,9 +22,9 @@ from .decoder import Decoder, RowParams
 from .encoder import Encoder
 from .errors import EngineError, InvalidRequestError, PromptTooLongError
 from .handle import Handle
-from .item_processor import Item, ItemProcessor
+from .item_processor import Item, ItemProcessor, owned_by_request
 from .model import check_max_tokens, check_stop, check_token_ids
-from .sampling import SamplingParams
+from .sampling import SamplingParams, top_n_computed
 from .slots import SlotTable
 
 _ids = itertools.count(1)
@@ -194,7 +194,7 @@ class Engine:
             return []
         t0 = time.perf_counter()
         done = [it for it, c in plan if c.last]
-        top_n = max((it.top_logprobs for it in [*self.items.running(), *done]), default=-1)
+        top_n = self._top_n([*self.items.running(), *done])
         out = self.encoder.run([c for _, c in plan], self.rows.take([it.slot for it in done]) if done else None,
                                top_n=top_n)
         for it, c in plan:
@@ -230,7 +230,7 @@ class Engine:
         if not needed and not firsts:
             return None
         first_set, needed_set = {id(it) for it in firsts}, {id(it) for it in needed}
-        top_n = max(it.top_logprobs for it in running)
+        top_n = self._top_n(running)
         fx = self._first_extra if firsts else None
         tokens_in = self.tokens
         if needed:
@@ -261,18 +261,31 @@ class Engine:
             self.counters["occupancy"] += len(needed)
         return issued
 
+    def _top_n(self, items) -> int:
+        """The top logprobs a step computes for ``items``: -1 (none), 0 (the chosen token's) or a
+        fixed count covering every row's ask (each row is cut to its own on the host)."""
+        return top_n_computed(max((it.top_logprobs for it in items), default=-1), self.model.config.vocab_size)
+
     def _process(self, issued: _Issued):
         host = issued.to_host()
         for row in issued.rows:
             item = row.item
             if item.state != "running" or item.slot != row.slot:
                 continue  # finished (or cancelled) while this step was in flight
-            if row.first and self.items.accept(item, *host.accepted(row.slot, first=True)):
-                continue
-            if not row.decoded:
-                continue
+            try:
+                self._accept_row(host, row)
+            except BaseException as e:  # what one request carries (its stops, text, consumers) fails it alone
+                if not owned_by_request(e):
+                    raise
+                self.items.finish(item, "error", EngineError(
+                    f"request {item.id} failed while its token was processed: {type(e).__name__} ({e!r})"))
+
+    def _accept_row(self, host: "_OnHost", row: _Row):
+        if row.first and self.items.accept(row.item, *host.accepted(row.slot, first=True)):
+            return
+        if row.decoded:
             self.counters["decode_tokens"] += 1
-            self.items.accept(item, *host.accepted(row.slot, first=False))
+            self.items.accept(row.item, *host.accepted(row.slot, first=False))
 
     def fail_all(self, error: BaseException):
         """The device step itself failed: end every item in flight with the cause."""

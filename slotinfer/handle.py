@@ -123,17 +123,27 @@ class Handle:
         if loop is not None:
             try:
                 loop.call_soon_threadsafe(self._aevents.put_nowait, ev)
-            except RuntimeError:  # its event loop closed: no one can read the async stream any more
+            except Exception:  # its event loop closed (or broke): no one can read the async stream any more
                 self._loop = None
 
     def _finish(self, completion: Completion | None = None, error: BaseException | None = None):
-        """End the request once: the result first, so a finished stream finds it set."""
+        """End the request once: the result first, so a finished stream finds it set.
+
+        Setting the future runs its done callbacks here, on the worker; whatever one raises
+        (``concurrent.futures`` logs an ``Exception`` but lets a ``BaseException`` through)
+        stays with this request: the future is set by then and the stream still ends.
+        """
         if self._ended:
             return
         self._ended = True
-        if not self._future.done():
-            if error is not None:
-                self._future.set_exception(error)
-            else:
-                self._future.set_result(completion)
-        self._push(_END)
+        self._on_cancel = None  # its closure refers back to the request's record: free both by refcount, now
+        try:
+            if not self._future.done():
+                if error is not None:
+                    self._future.set_exception(error)
+                else:
+                    self._future.set_result(completion)
+        except BaseException:  # noqa: BLE001 -- a done callback's failure is its own, never the worker's
+            pass
+        finally:
+            self._push(_END)

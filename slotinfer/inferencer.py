@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import queue
 import sys
 import threading
@@ -30,6 +31,9 @@ from .types import Completion
 
 
 _live: "weakref.WeakSet[Inferencer]" = weakref.WeakSet()
+# Started Inferencers with work in hand: kept alive until it is done even if their user drops
+# them.  Idle, an Inferencer is referred to only by its users (its worker holds a weakref).
+_working: "set[Inferencer]" = set()
 
 
 @atexit.register
@@ -74,9 +78,13 @@ class _Workers:
                 sys.excepthook(*sys.exc_info())
             finally:
                 mx.synchronize(stream)  # no device work of one Inferencer outlives its run
+                # Waiting idle, hold nothing of the last run: its job may refer to an Inferencer,
+                # whose slot table must be freed once its user lets go of it.
+                fn = None
                 with self._lock:
                     self._idle.append(inbox)
                 done.set()
+                done = None
 
 
 _workers = _Workers()
@@ -97,6 +105,16 @@ class Inferencer:
     ``prefill_tokens`` bounds one prefill call (longer prompts arrive in chunks between
     decode steps); ``max_queue`` bounds how many requests may wait for a slot (0 =
     unbounded): past it, :meth:`submit` blocks or raises :class:`QueueFull`.
+
+    Lifetime: :meth:`close` it (or use ``with``); a closed Inferencer holds no thread and
+    is freed with its slot table once you drop it.  One dropped without ``close()`` finishes
+    the requests it was given and is then freed too (its worker holds it only while it has
+    work); either way its worker thread waits, idle, for the next Inferencer.
+
+    Nothing a request carries can stop the worker: a callback raising anything
+    (``BaseException`` included) ends its own request with :class:`EngineError`.  Should
+    the loop itself fail (a bug), every request, pending or submitted later, ends with
+    :class:`EngineError` rather than hang.
     """
 
     def __init__(self, model, *, slots: int = 32, max_len: int = 2048, prefill_tokens: int = 512,
@@ -117,6 +135,10 @@ class Inferencer:
         self._cancel_all = False
         self._done: threading.Event | None = None  # set when the worker left the loop
         self._worker: threading.Thread | None = None  # the thread running the loop
+        self._failure: EngineError | None = None  # set if the loop itself failed (a bug): every request gets it
+        self._accepted = self._refused = 0  # requests queued; requests refused at submit (full queue, closed)
+        # not at exit: there _close_live cancels what is still running, as close() would
+        weakref.finalize(self, _abandoned, self._inbox, self.engine.items).atexit = False
         if start:
             self.start()
 
@@ -125,8 +147,11 @@ class Inferencer:
     def start(self):
         with self._cv:
             if self._done is None:
-                self._done = _workers.run(self._run)
+                # The worker holds the Inferencer weakly while idle, so one dropped without close()
+                # is freed, its slot table with it, once its requests are done.
+                self._done = _workers.run(functools.partial(_work, weakref.ref(self)))
                 _live.add(self)
+                _working.add(self)  # until its worker finds it idle
         return self
 
     def __enter__(self):
@@ -170,7 +195,11 @@ class Inferencer:
         """
         self._check_open()
         item = self.engine.make_item(self.model.chat_prompt(prompt, messages), **params)
-        self._enqueue(item, block, timeout)
+        try:
+            self._enqueue(item, block, timeout)
+        except BaseException:
+            self._count_refused()
+            raise
         return item.handle
 
     def generate(self, prompt=None, **params) -> Completion:
@@ -214,15 +243,19 @@ class Inferencer:
         item = self.engine.make_item(prompt, loop=asyncio.get_running_loop(), **params)
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.001
-        while True:
-            try:
-                self._enqueue(item, block=False, timeout=None)
-                return item.handle
-            except QueueFull:
-                if not block or (deadline is not None and time.monotonic() >= deadline):
-                    raise
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, 0.02)
+        try:
+            while True:
+                try:
+                    self._enqueue(item, block=False, timeout=None)
+                    return item.handle
+                except QueueFull:
+                    if not block or (deadline is not None and time.monotonic() >= deadline):
+                        raise
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.02)
+        except BaseException:  # the queue stayed full, it closed, or the awaiting task was cancelled
+            self._count_refused()
+            raise
 
     @property
     def closed(self) -> bool:
@@ -236,16 +269,30 @@ class Inferencer:
     def _enqueue(self, item, block: bool, timeout: float | None):
         with self._cv:
             bound = self._max_queue
-            if bound and block and not self._closed:
+            on_worker = self._worker is threading.current_thread()  # from an on_token callback
+            if bound and block and not self._closed and not on_worker:
                 self._cv.wait_for(lambda: self._closed or len(self._inbox) < bound, timeout)
             self._check_open()
             if bound and len(self._inbox) >= bound:
-                how = (f"stayed full for {timeout} s; retry later, wait longer, or raise max_queue" if block else
-                       "is full; retry later, or submit with block=True to wait for room")
+                how = ("is full, and a submit from the worker thread (an on_token callback) cannot wait for "
+                       "room that only that thread makes; submit from another thread, or retry later" if on_worker
+                       else f"stayed full for {timeout} s; retry later, wait longer, or raise max_queue" if block
+                       else "is full; retry later, or submit with block=True to wait for room")
                 raise QueueFull(f"the admission queue ({bound} waiting) {how}")
-            item.handle._on_cancel = lambda: self._cancelled.put(item)
+            self._accepted += 1
+            if self._failure is not None:  # the loop is gone: end at once rather than wait for it
+                item.handle._finish(error=self._failure)
+                return
+            cancelled = self._cancelled  # not self: a handle kept by its user must not keep the Inferencer alive
+            item.handle._on_cancel = lambda: cancelled.put(item)
             self._inbox.append(item)
+            if self._done is not None:
+                _working.add(self)
             self._cv.notify_all()
+
+    def _count_refused(self):
+        with self._cv:
+            self._refused += 1
 
     def serve_queue(self, in_q, out_q, *, sentinel=None):
         """Consume requests from ``in_q`` until ``sentinel``; put a :class:`Completion` per request on ``out_q``.
@@ -296,28 +343,50 @@ class Inferencer:
         return self.engine.memory()
 
     def stats(self) -> dict:
-        """Engine counters: steps, slot occupancy, prefill and decode tokens/s, peak memory."""
+        """Engine counters: steps, slot occupancy, prefill and decode tokens/s, peak memory.
+
+        ``submitted`` counts the requests accepted into the queue; ``refused`` those turned
+        away at submit (queue full, closed, or the awaiting task cancelled while waiting for room).
+        """
         out = self.engine.stats()
         out["waiting"] += len(self._inbox)
+        out["submitted"], out["refused"] = self._accepted, self._refused
         return out
 
     # -- the worker -------------------------------------------------------------
 
-    def _run(self):
-        self._worker = threading.current_thread()
-        self._loop()
-
-    def _loop(self):
+    def _turn(self) -> bool:
+        """One turn of the worker's loop: take requests, then step; True when the worker should exit."""
         engine = self.engine
-        while True:
-            if self._take(block=not engine.busy):
-                return
-            if self._cancel_all:
-                for item in [*engine.items.waiting, *filter(None, engine.items.by_slot)]:
-                    item.handle.cancel()
-            if not engine.busy:
-                continue
+        if self._take(block=not engine.busy):
+            return True
+        if self._cancel_all:
+            for item in [*engine.items.waiting, *filter(None, engine.items.by_slot)]:
+                item.handle.cancel()
+        if engine.busy:
             engine.step_or_fail()  # a device failure ends the items in flight, not the worker
+        return False
+
+    def _idle(self) -> bool:
+        """On the worker: True (and no longer kept alive for work) when nothing is queued or running."""
+        with self._cv:
+            if self._inbox or self.engine.busy:
+                return False
+            _working.discard(self)
+            return True
+
+    def _fail(self, error: BaseException):
+        """The loop itself failed (a bug): end every request, queued, in flight or submitted later."""
+        items = self.engine.items
+        with self._cv:
+            self._failure = EngineError(
+                f"the Inferencer's worker failed ({type(error).__name__}: {error}); it serves no more requests: "
+                f"close it and create a new one")
+            pending = [*self._inbox, *items.waiting, *filter(None, items.by_slot)]
+            self._inbox.clear()
+            self._cv.notify_all()
+        for item in pending:
+            item.handle._finish(error=self._failure)
 
     def _take(self, block: bool) -> bool:
         """Move requests from the inbox to the engine; True when the worker should exit."""
@@ -341,6 +410,36 @@ class Inferencer:
             if room > 0:
                 self._cv.notify_all()  # room for a blocked submit
             return self._closed and not self._inbox and not engine.busy
+
+
+def _work(ref):
+    """The worker's loop over the Inferencer ``ref`` refers to, holding it only while it has work."""
+    inf = ref()
+    if inf is None:
+        return
+    inf._worker = threading.current_thread()
+    try:
+        while not inf._turn():
+            if not inf._idle():
+                continue
+            inf = None  # idle, the Inferencer lives only as long as its users keep it
+            inf = ref()
+            if inf is None:
+                return
+    except BaseException as e:
+        inf._fail(e)
+        raise  # reported by the worker thread, which serves on
+    finally:
+        _working.discard(inf)
+
+
+def _abandoned(inbox, items):
+    """An Inferencer freed without :meth:`~Inferencer.close` (one never started, say): end what it
+    still held, so no request hangs."""
+    error = EngineClosed("the Inferencer was dropped (garbage-collected) without close() while this request "
+                         "was pending; close it, or use it in a `with` block, to let its requests finish")
+    for item in [*inbox, *items.waiting, *filter(None, items.by_slot)]:
+        item.handle._finish(error=error)
 
 
 @dataclass(frozen=True)

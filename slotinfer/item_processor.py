@@ -9,6 +9,7 @@ cancellation), frees their slots and admits waiting items into them.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ class ItemProcessor:
         if logprob is not None:
             item.logprobs.append(logprob)
         if top is not None:
-            item.top.append(top[: item.top_logprobs])  # the step computed the most any row asked for
+            item.top.append(top[: item.top_logprobs])  # the step computed at least as many as any row asked for
         if token in item.enders:
             return self._emit_and_finish(item, token, "stop")
         item.text += item.detok.add(token)
@@ -133,8 +134,12 @@ class ItemProcessor:
             if item.on_token is not None:
                 item.on_token(ev)
             item.handle._push(ev)
-        except Exception as e:  # a consumer's bug fails its own request, never the worker
-            self.finish(item, "error", EngineError(f"the on_token callback of request {item.id} raised {e!r}"))
+        except BaseException as e:  # a consumer's bug, whatever it raises, fails its own request, never the worker
+            if not owned_by_request(e):
+                raise
+            self.finish(item, "error", EngineError(
+                f"the on_token callback of request {item.id} raised {type(e).__name__} ({e!r}); the request "
+                f"ended there and the others go on: make the callback return normally"))
             return False
         return True
 
@@ -154,7 +159,6 @@ class ItemProcessor:
             self.free.append(item.slot)
             self.free.sort()
         item.state = "done"
-        item.handle._on_cancel = None  # its closure refers back to the item: free both by refcount, now
         self.finished += 1
         if error is not None:
             item.handle._finish(error=error)
@@ -173,6 +177,17 @@ class ItemProcessor:
             top_logprobs=list(item.top) if item.top_logprobs > 0 else None,
             seed=item.seed, metrics=metrics,
         ))
+
+
+def owned_by_request(e: BaseException) -> bool:
+    """Whether ``e``, raised by what one request carries, ends that request alone.
+
+    Anything does, ``BaseException`` included (a callback's ``SystemExit`` or
+    ``asyncio.CancelledError`` means nothing to the worker), except a ``KeyboardInterrupt``
+    on the main thread: there it may be the user's Ctrl-C (``batch_generate`` runs there),
+    which must stop the program, not one request.  Signals never reach the worker thread.
+    """
+    return not (isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread())
 
 
 def _longest(stops) -> int:

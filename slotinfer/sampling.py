@@ -108,6 +108,25 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, steps, *, use_sort: 
     return mx.where(temperature > 0, drawn, greedy).astype(mx.int32)
 
 
+TOP_LOGPROBS_STEP = 20  # the most OpenAI's API lets a request ask for
+
+
+def top_n_computed(asked: int, vocab: int) -> int:
+    """How many top logprobs a step computes when its rows ask for at most ``asked``.
+
+    Each count is a compiled variant of the decode step, so the step computes one of a few
+    fixed counts (20, then x4 up to the vocabulary) and each row keeps its own on the host:
+    whatever numbers clients send, a model compiles at most ``3 + log4(vocab / 20)``
+    logprob variants.  ``asked`` of -1 (no logprobs) and 0 (the chosen token's only) stay.
+    """
+    if asked <= 0:
+        return asked
+    n = TOP_LOGPROBS_STEP
+    while n < asked:
+        n *= 4
+    return min(n, vocab)
+
+
 def logprobs_of(logits, tokens, top_n: int = 0):
     """Log-probability of the chosen tokens [b] and, if ``top_n``, the top-n (ids, logprobs) per row."""
     lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)

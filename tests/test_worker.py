@@ -333,7 +333,7 @@ def test_a_loop_that_raises_is_reported_and_its_worker_serves_on(models, monkeyp
     reported = []
     monkeypatch.setattr("sys.excepthook", lambda *exc: reported.append(exc[1]))
     broken = slotinfer.Inferencer(m, slots=1, max_len=64, start=False)
-    monkeypatch.setattr(broken, "_loop", lambda: 1 / 0)
+    monkeypatch.setattr(broken, "_turn", lambda: 1 / 0)
     broken.start()
     _in_thread(lambda: broken.close(timeout=60))
     assert broken._done.is_set() and isinstance(reported[0], ZeroDivisionError)
