@@ -202,10 +202,16 @@ def parse_template(path: str) -> tuple[str | None, str]:
     if re.search(r"\{\{|\{%", tpl):
         import jinja2
 
-        try:
-            rendered = jinja2.Environment(keep_trailing_newline=True).from_string(tpl).render(text=_SENTINEL)
-        except jinja2.TemplateError as e:
+        from .errors import InvalidRequestError
+        from .templates import compile_template, render, sandboxed_environment
+
+        try:  # the chat templates' sandbox: a template file may come from anyone
+            env = sandboxed_environment(keep_trailing_newline=True)
+            rendered = render(compile_template(env, tpl), {"text": _SENTINEL})
+        except (jinja2.TemplateError, InvalidRequestError) as e:  # InvalidRequestError: past a limit
             raise UsageError(f"template {path!r}: {e}") from None
+        except (TypeError, KeyError, AttributeError, ValueError, IndexError, ArithmeticError) as e:
+            raise UsageError(f"template {path!r} failed to render: {e!r}") from None
     else:
         rendered = tpl.replace("{text}", _SENTINEL)
     parts = rendered.split(_SENTINEL)
