@@ -219,6 +219,8 @@ def _bounded_filter(name: str, fn):
 
 # -- the sandbox ---------------------------------------------------------------------
 
+_NUMBERS = frozenset({int, float, bool})
+
 class _BoundedCodeGenerator(CodeGenerator):
     """Compiles ``+``, ``~`` and loops into direct calls of the budget's checks (no sandbox
     ``call`` in between: these are the hot paths of every chat template)."""
@@ -270,6 +272,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "%", "**"})  # '+' compiles to add_bounded
 
     def call_binop(self, context, operator, left, right):
+        if operator != "**" and type(left) in _NUMBERS and type(right) in _NUMBERS:  # loop.index % 2
+            return self.binop_table[operator](left, right)
         budget = _budget()
         budget.tick()
         budget.allow(_binop_size(operator, left, right), f"the result of {operator!r}")
@@ -312,7 +316,11 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
     def join_bounded(join, parts: tuple) -> str:
         """``~``, sized before it joins."""
         budget = _budget()
-        budget.allow(sum(len(p) if isinstance(p, str) else len(str(p)) for p in parts), "the result of '~'")
+        try:
+            size = sum(map(len, parts))
+        except TypeError:  # a number among the parts
+            size = sum(len(p) if isinstance(p, str) else len(str(p)) for p in parts)
+        budget.allow(size, "the result of '~'")
         return budget.made(join(parts), "the result of '~'")
 
     @staticmethod
