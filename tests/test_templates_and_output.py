@@ -19,12 +19,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from slotinfer import default_model
 from slotinfer import settings as slot_settings
 from slotinfer.classify_cli import main as classify_main
-from slotinfer.classify_cli import parse_template, UsageError
+from slotinfer.classify_cli import UsageError, parse_template
 from slotinfer.cli import main as cli_main
 from slotinfer.errors import InvalidRequestError, TemplateError, TokenizerError
 from slotinfer.templates import _raise_from_template, _strftime_now, _tojson, compile_template, render
 from slotinfer.templates import sandboxed_environment
-from slotinfer.testing import FAMILIES, make_tiny_model
+from slotinfer.testing import make_tiny_model
 from slotinfer.tokenizer import Tokenizer
 
 MESSAGES = [
