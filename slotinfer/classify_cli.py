@@ -6,12 +6,16 @@
 Input is read by extension (or ``--format``): plain text (one sentence per line),
 JSONL (the ``text`` field, or ``--column``; ``id`` when present) or CSV
 (``--column``, default ``text``; ``id`` when present); a leading UTF-8 byte-order mark
-is dropped.  Each sentence gets one JSON line ``{"id", "label", "scores"}``; the id is
-the line number (the record's line for CSV, as a string when the CSV has an ``id``
+is dropped.  Each sentence gets one JSON line ``{"id", "label", "scores", "run"}``; the id
+is the line number (the record's line for CSV, as a string when the CSV has an ``id``
 column, whose cells are strings) when the input has none.  A bad line (empty, not
 UTF-8, malformed JSON, no such column, too long for the context) gets
-``{"id", "error"}`` instead and the run goes on.  Output is appended: a re-run skips
-ids already written, so an interrupted run resumes where it stopped.
+``{"id", "error", "run"}`` instead and the run goes on.  ``run`` is a fingerprint of the
+labels, label prefix, prefix and template.  ``--output`` is appended: a re-run skips ids
+already written, so an interrupted run (Ctrl-C exits 130) resumes where it stopped.  It
+resumes only a file of its own records with the same ``run``; anything else (another
+file, the input itself, another label set or prompt) stops with exit code 2 and the file
+untouched.  A pipe or device (``/dev/stdout``) is written as it comes, with nothing to resume.
 
 ``--template FILE`` holds the prompt around each sentence, with ``{text}`` (or the
 Jinja ``{{ text }}``) where the sentence goes; the part before it becomes the shared
@@ -28,7 +32,9 @@ import csv
 import io
 import json
 import os
+import hashlib
 import re
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -202,10 +208,16 @@ def parse_template(path: str) -> tuple[str | None, str]:
     if re.search(r"\{\{|\{%", tpl):
         import jinja2
 
-        try:
-            rendered = jinja2.Environment(keep_trailing_newline=True).from_string(tpl).render(text=_SENTINEL)
-        except jinja2.TemplateError as e:
+        from .errors import InvalidRequestError
+        from .templates import compile_template, render, sandboxed_environment
+
+        try:  # the chat templates' sandbox: a template file may come from anyone
+            env = sandboxed_environment(keep_trailing_newline=True)
+            rendered = render(compile_template(env, tpl), {"text": _SENTINEL})
+        except (jinja2.TemplateError, InvalidRequestError) as e:  # InvalidRequestError: past a limit
             raise UsageError(f"template {path!r}: {e}") from None
+        except (TypeError, KeyError, AttributeError, ValueError, IndexError, ArithmeticError) as e:
+            raise UsageError(f"template {path!r} failed to render: {e!r}") from None
     else:
         rendered = tpl.replace("{text}", _SENTINEL)
     parts = rendered.split(_SENTINEL)
@@ -220,26 +232,114 @@ def _key(rid) -> str:
     return json.dumps(rid, sort_keys=True)
 
 
-def done_ids(path: str) -> set[str]:
-    """Ids already in an output file; an unfinished last line (a crash mid-write) is cut off."""
-    if not os.path.exists(path):
-        return set()
-    with open(path, "rb") as fh:
-        data = fh.read()
-    keep = len(data)
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
+def run_id(labels: list[str], label_prefix: str, prefix: str | None, suffix: str) -> str:
+    """What decides a run's scores, as 12 hex digits: every record carries it as ``run``, so a
+    re-run with other labels, label prefix, prefix or template never mixes into the same file."""
+    blob = json.dumps([labels, label_prefix, prefix, suffix], ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:12]
+
+
+@dataclass
+class Resume:
+    """What an existing ``--output`` holds: the ids done, and how to go on writing it."""
+
+    done: set
+    regular: bool = True  # False: a pipe, /dev/stdout, a device: written as it is, nothing read back
+    needs_newline: bool = False  # the last record lacks its newline: write one first
+
+
+_RECORD_START = b'{"id": '  # how every record this tool writes begins (json.dumps, id first)
+
+
+def check_not_input(output: str, source) -> None:
+    """Refuse an ``--output`` that is the input itself (by inode: a symlink or hard link too).
+    ``source`` is a path, or ``"-"`` for stdin."""
+    try:
+        out = os.stat(output)
+        src = os.fstat(sys.stdin.fileno()) if source == "-" else os.stat(source)
+    except (OSError, ValueError, AttributeError):  # no output yet, no such input, no real stdin
+        return
+    if stat.S_ISREG(out.st_mode) and (out.st_dev, out.st_ino) == (src.st_dev, src.st_ino):
+        what = "standard input" if source == "-" else f"the input {source!r}"
+        raise UsageError(f"--output {output!r} is {what}: writing there would destroy what is being read; "
+                         "choose another output file")
+
+
+def done_ids(path: str, run: str | None = None, fields=("label", "error")) -> set[str]:
+    """Ids already in an output file this tool wrote; see :func:`resume`."""
+    return resume(path, run, fields).done
+
+
+def resume(path: str, run: str | None = None, fields=("label", "error")) -> Resume:
+    """Read an existing output file before appending to it, refusing any file this tool did not write.
+
+    Every line must be a JSON record with an ``id`` and one of ``fields`` (and, when ``run`` is
+    given, that ``run``); else :class:`UsageError`, and the file is left as it is.  An unfinished
+    last line (a crash mid-write: the start of a record, not a whole JSON object) is cut off.
+    A pipe or device (``/dev/stdout``) is not read: it is written as it is, nothing resumed.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return Resume(set())
+    except OSError as e:
+        raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"cannot write {path!r}: it is a directory; give a file name")
+    if not stat.S_ISREG(st.st_mode):
+        return Resume(set(), regular=False)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    keep, needs_newline = len(data), False
+    if tail:
+        if _record(tail, run, fields) is not None:
+            lines.append(tail)
+            needs_newline = True
+        elif tail.startswith(_RECORD_START) or _RECORD_START.startswith(tail):
+            keep = len(data) - len(tail)  # a record cut short by a crash
+        else:
+            lines.append(tail)  # reported below
+    done = set()
+    for n, line in enumerate(lines, 1):
+        rid = _record(line, run, fields)
+        if rid is None:
+            raise UsageError(_foreign(path, n, line, run, fields))
+        done.add(rid)
+    if keep < len(data):
         with open(path, "r+b") as fh:
             fh.truncate(keep)
-    done = set()
-    for line in data[:keep].splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and "id" in obj:
-            done.add(_key(obj["id"]))
-    return done
+    return Resume(done, needs_newline=needs_newline)
+
+
+def _record(line: bytes, run, fields):
+    """The id key of one output line, or None when it is not a record of this run."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or "id" not in obj or not any(f in obj for f in fields):
+        return None
+    if run is not None and obj.get("run") != run:
+        return None
+    return _key(obj["id"])
+
+
+def _foreign(path: str, n: int, line: bytes, run, fields) -> str:
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict) and "id" in obj and any(f in obj for f in fields):
+        return (f"--output {path!r} was written by a run with other labels, --label-prefix, --prefix or "
+                f"--template (line {n} has run {obj.get('run')!r}, this run is {run!r}); resuming would mix "
+                "their scores: choose another output file, or remove this one to start over")
+    return (f"--output {path!r} is not an output of this command (line {n} is not one of its records); "
+            "it was left as it is: choose another output file, or remove this one")
 
 
 class Progress:
@@ -318,6 +418,10 @@ def _run(args) -> int:
     if args.token_budget is not None and args.token_budget < 1:
         raise UsageError("--token-budget must be >= 1")
     prefix, suffix = (parse_template(args.template) if args.template else (args.prefix or None, ""))
+    run = run_id(labels, args.label_prefix, prefix, suffix)
+    if args.output:  # before anything is read or loaded: an output that is not ours stops the run
+        check_not_input(args.output, args.input)
+        state = resume(args.output, run)
     records = list(read_records(args.input, args.format, args.column))
 
     try:
@@ -343,11 +447,13 @@ def _run(args) -> int:
     out = sys.stdout
     done = set()
     if args.output:
+        done = state.done
         try:
-            done = done_ids(args.output)
             out = open(args.output, "a", encoding="utf-8")
         except OSError as e:
             raise UsageError(f"cannot write {args.output!r}: {e.strerror}") from None
+        if state.needs_newline:
+            out.write("\n")
     seen: dict[str, int] = {}
     todo: list[Record] = []
     skipped = 0
@@ -372,17 +478,17 @@ def _run(args) -> int:
             chunk = todo[s:s + args.chunk]
             for r in chunk:
                 if r.error is not None:
-                    write({"id": r.id, "error": r.error})
+                    write({"id": r.id, "error": r.error, "run": run})
                     progress.step(error=True)
             good = [r for r in chunk if r.error is None]
 
             def on_result(i, res, good=good):
                 r = good[i]
                 if res.error is not None:
-                    write({"id": r.id, "error": f"line {r.line}: {res.error}"})
+                    write({"id": r.id, "error": f"line {r.line}: {res.error}", "run": run})
                 else:
                     write({"id": r.id, "label": res.label,
-                           "scores": {k: round(v, 6) for k, v in res.scores.items()}})
+                           "scores": {k: round(v, 6) for k, v in res.scores.items()}, "run": run})
                 progress.step(error=res.error is not None)
 
             if good:

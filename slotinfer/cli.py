@@ -41,6 +41,14 @@ def _version() -> str:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 128 + SIGINT, no traceback
+        print("slotinfer: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="slotinfer", description="Continuous-batching LLM inference on MLX.")
     parser.add_argument("--version", action="version", version=f"slotinfer {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)

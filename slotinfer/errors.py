@@ -49,6 +49,11 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt (plus the tokens asked for) does not fit the model's or engine's context."""
 
 
+class TemplateError(InvalidRequestError):
+    """A chat or prompt template ran past its time or size limit (the message names the variable
+    that raises it), or nested too deeply."""
+
+
 # -- engine ----------------------------------------------------------------
 
 class QueueFull(SlotinferError):

@@ -75,7 +75,7 @@ def run(args) -> int:
             prompts.append(None)
             failed[i] = e
     live = [ids for ids in prompts if ids is not None]
-    out = open(args.output, "w", encoding="utf-8") if args.output else None
+    out = _open_output(args.output, "-" if not args.prompts else None) if args.output else None
     try:
         if not live:
             _write_all(texts, [None] * len(texts), failed, out or sys.stdout)
@@ -95,6 +95,21 @@ def run(args) -> int:
         if out is not None:
             out.close()
     return 0
+
+
+def _open_output(path: str, source):
+    """``--output`` opened for writing; never the prompts' own file (stdin redirected from it)."""
+    from .classify_cli import UsageError, check_not_input
+    from .errors import InvalidRequestError
+
+    try:
+        if source is not None:
+            check_not_input(path, source)
+        return open(path, "w", encoding="utf-8")
+    except UsageError as e:
+        raise InvalidRequestError(str(e)) from None
+    except OSError as e:
+        raise InvalidRequestError(f"--output: cannot write {path!r}: {e.strerror}") from None
 
 
 def _render(model, text, system):

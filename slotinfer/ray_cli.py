@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-from .classify_cli import UsageError, _key, done_ids, parse_template
+from .classify_cli import UsageError, _key, check_not_input, parse_template, resume, run_id
 from .cli import positive_int
 
 
@@ -87,7 +87,13 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
     if not os.path.exists(path):  # before a cluster is started for nothing
         raise UsageError(f"input {path!r} does not exist")
     parquet = args.output.endswith(".parquet")
-    done = _done_parquet(args.output) if parquet else done_ids(args.output)
+    run = run_id(kw["labels"], kw["label_prefix"], kw["prefix"], kw["suffix"]) if command == "classify" else None
+    if parquet:
+        done, state = _done_parquet(args.output), None
+    else:  # the single-process classify's rules: only its own records are resumed, never the input
+        check_not_input(args.output, path)
+        state = resume(args.output, run, ("label", "error") if command == "classify" else ("text", "error"))
+        done = state.done
     if getattr(args, "quiet", False):  # Ray Data's progress lines too
         import logging
         logging.getLogger("ray.data").setLevel(logging.WARNING)
@@ -114,7 +120,7 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         ds = ds.map_batches(callable_, fn_constructor_kwargs=kw, batch_size=batch_size, batch_format="pyarrow",
                             **sr.actor_options(args.actors, cores=_node_cores()))
         ds = ds.select_columns(["id", *fields, "error"])
-        counts = _write_parquet(ds, args.output) if parquet else _append_jsonl(ds, args.output, fields)
+        counts = _write_parquet(ds, args.output) if parquet else _append_jsonl(ds, args.output, fields, run, state)
     except ray.exceptions.RayActorError as e:  # the actors' constructor raised: the model or an option is bad
         raise UsageError(f"the actors could not start: {_last_line(e)}") from None
     finally:
@@ -185,7 +191,7 @@ class _Skip:
         return batch.filter(pa.array([_key(x) not in self.done for x in batch.column("id").to_pylist()]))
 
 
-def _append_jsonl(ds, path: str, fields: list[str]) -> tuple[int, int]:
+def _append_jsonl(ds, path: str, fields: list[str], run, state) -> tuple[int, int]:
     """Stream the rows to the driver and append them to ``path`` as they come (a crash keeps what was written)."""
     rows = errors = 0
     try:
@@ -193,6 +199,8 @@ def _append_jsonl(ds, path: str, fields: list[str]) -> tuple[int, int]:
     except OSError as e:
         raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
     with out:
+        if state.needs_newline:
+            out.write("\n")
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             for row in batch.to_pylist():
                 if row["error"] is not None:
@@ -202,6 +210,8 @@ def _append_jsonl(ds, path: str, fields: list[str]) -> tuple[int, int]:
                     rec = {"id": row["id"], **{f: row[f] for f in fields}}
                     if "scores" in rec:  # rounded as the single-process classify writes them
                         rec["scores"] = {k: round(v, 6) for k, v in rec["scores"].items()}
+                if run is not None:
+                    rec["run"] = run
                 out.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 rows += 1
             out.flush()

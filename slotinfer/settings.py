@@ -61,3 +61,34 @@ def cache_dir() -> Path:
     they build; default ``~/.cache/slotinfer``.  The library itself writes nothing there."""
     value = os.environ.get("SLOTINFER_CACHE", "").strip()
     return Path(value) if value else Path.home() / ".cache" / "slotinfer"
+
+
+def template_max_chars() -> int:
+    """``SLOTINFER_TEMPLATE_MAX_CHARS``: the most characters (or list items) a chat or prompt
+    template may build or render; default 8,000,000.  Raises ValueError on anything but a whole number >= 1."""
+    return _whole("SLOTINFER_TEMPLATE_MAX_CHARS", 8_000_000, "the most characters a template may render")
+
+
+def template_seconds() -> float:
+    """``SLOTINFER_TEMPLATE_SECONDS``: the longest one template render may take; default 2."""
+    value = os.environ.get("SLOTINFER_TEMPLATE_SECONDS", "").strip()
+    if not value:
+        return 2.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"SLOTINFER_TEMPLATE_SECONDS={value!r}: expected a number of seconds > 0 "
+                         "(the longest one template render may take); unset it for the default of 2")
+    return seconds
+
+
+def _whole(name: str, default: int, meaning: str) -> int:
+    value = os.environ.get(name, "").strip().replace("_", "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{name}={value!r}: expected a whole number >= 1 ({meaning}); "
+                         f"unset it for the default of {default:,}")
+    return int(value)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -108,34 +107,18 @@ def _pick_template(value: Any, source: str) -> str | None:
 
 # -- chat template rendering ------------------------------------------------
 
-def _raise_from_template(message: Any) -> None:
-    raise InvalidRequestError(f"the chat template rejected the messages: {message}")
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=tuple(separators) if separators else None, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 _JINJA_ENV = None
 
 
 def _jinja_env():
+    """The sandbox of chat templates (see :mod:`slotinfer.templates`), built once."""
     global _JINJA_ENV
     if _JINJA_ENV is None:
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_from_template
-        env.globals["strftime_now"] = _strftime_now
-        _JINJA_ENV = env
+        from .templates import sandboxed_environment
+
+        _JINJA_ENV = sandboxed_environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     return _JINJA_ENV
 
 
@@ -371,9 +354,11 @@ class Tokenizer:
                 context.setdefault(name, value)
         import jinja2
 
+        from .templates import render
+
         try:
-            text = template.render(**context)
-        except InvalidRequestError:
+            text = render(template, context)
+        except InvalidRequestError:  # raise_exception, and TemplateError past a limit
             raise
         except jinja2.UndefinedError as e:
             raise InvalidRequestError(
@@ -381,7 +366,7 @@ class Tokenizer:
             ) from None
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template of {self._source} failed to render: {e}") from None
-        except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
+        except (TypeError, KeyError, AttributeError, ValueError, IndexError, ArithmeticError) as e:
             raise InvalidRequestError(f"the chat template could not render these messages: {e!r}") from None
         if tokenize:
             return self.encode(text, add_special_tokens=True)
@@ -391,9 +376,11 @@ class Tokenizer:
         if self._compiled_template is None:
             import jinja2
 
+            from .templates import compile_template
+
             try:
-                self._compiled_template = _jinja_env().from_string(self.chat_template)
-            except jinja2.TemplateError as e:
+                self._compiled_template = compile_template(_jinja_env(), self.chat_template)
+            except (jinja2.TemplateError, InvalidRequestError) as e:  # InvalidRequestError: nested too deeply
                 raise TokenizerError(
                     f"the chat template of {self._source} is not valid Jinja: {e}; fix chat_template.jinja "
                     "or the 'chat_template' key of tokenizer_config.json"

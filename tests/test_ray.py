@@ -208,7 +208,7 @@ def test_cli_other_input_columns_do_not_reach_the_output(cluster, model_path, tm
                           inp, "-o", out]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == [0, 1, 2, 3]
-    assert all(set(r) == {"id", "label", "scores"} and r["label"] in ("yes", "no") for r in rows)
+    assert all(set(r) == {"id", "label", "scores", "run"} and r["label"] in ("yes", "no") for r in rows)
 
 
 def test_cli_generate_ray_jsonl_names_the_input_prompt(cluster, model_path, model, tmp_path):
