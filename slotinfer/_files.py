@@ -19,8 +19,9 @@ from .errors import ModelNotFoundError
 MAX_JSON_BYTES = 256 * 2**20
 
 
-def open_regular(file: Path, *, error: type[Exception]):
-    """``file`` opened for binary reading, when it is a regular file (through symlinks); else ``error``."""
+def open_regular(file: Path, *, error: type[Exception], limit: int | None = None):
+    """``file`` opened for binary reading, when it is a regular file (through symlinks) of at most
+    ``limit`` bytes; else ``error``."""
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     except OSError as e:
@@ -30,6 +31,10 @@ def open_regular(file: Path, *, error: type[Exception]):
         if not stat.S_ISREG(mode):
             what = "a directory, not a file" if stat.S_ISDIR(mode) else "not a regular file (a pipe, socket or device)"
             raise error(f"{file} is {what}; replace it with the checkpoint's {Path(file).name}")
+        size = os.fstat(fd).st_size
+        if limit is not None and size > limit:
+            raise error(f"{file} is {size} bytes, more than the {limit} a model's {Path(file).suffix or 'text'} "
+                        f"file may hold; it is not the checkpoint's {Path(file).name}, restore it")
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
@@ -38,10 +43,11 @@ def open_regular(file: Path, *, error: type[Exception]):
         raise
 
 
-def check_regular(file: Path, *, error: type[Exception]) -> int:
-    """The size of ``file`` once it is known to be a readable regular file (see :func:`open_regular`)."""
-    with open_regular(file, error=error) as fh:
-        return os.fstat(fh.fileno()).st_size
+def check_regular(file: Path, *, error: type[Exception], limit: int | None = MAX_JSON_BYTES) -> None:
+    """Raise ``error`` unless ``file`` (when there is one) is a readable regular file of at most ``limit``
+    bytes, for files another reader opens (see :func:`open_regular`)."""
+    if os.path.lexists(file):
+        open_regular(file, error=error, limit=limit).close()
 
 
 def _os_problem(file: Path, e: OSError) -> str:
@@ -60,11 +66,7 @@ def read_json(file: Path, *, error: type[Exception], required: bool = False):
         if required:
             raise ModelNotFoundError(f"{file.name} is missing from {str(file.parent)!r}; a model folder needs it")
         return {}
-    with open_regular(file, error=error) as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size > MAX_JSON_BYTES:
-            raise error(f"{file} is {size} bytes, more than the {MAX_JSON_BYTES} a model's JSON file may hold; "
-                        f"it is not the checkpoint's {file.name}, restore it")
+    with open_regular(file, error=error, limit=MAX_JSON_BYTES) as fh:
         try:
             data = fh.read(MAX_JSON_BYTES + 1)
         except OSError as e:

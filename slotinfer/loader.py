@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import device, gguf, hub, settings
-from ._files import open_regular, read_json
+from ._files import check_regular, open_regular, read_json
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
 from .model import Model
 from .models import ModelConfig, Transformer, parse_config
@@ -34,6 +34,8 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize support
 _QUANT_GROUPS = (32, 64, 128)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "chat_template.json")
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
 
 
@@ -68,7 +70,9 @@ def load(path, *, dtype=None, revision=None) -> Model:
     files = shard_files(folder)
     specs = _text_weights({k: v for f in files for k, v in read_header(f).items()})
     check_weights(cfg, specs, _quant_params(raw, specs))  # the config against the headers, before any data
-    read_json(folder / "generation_config.json", error=ConfigError)  # unreadable: refused before the weights are
+    for name in _TOKENIZER_FILES:  # what the tokenizer reads, refused before the weights are read when it cannot be
+        check_regular(folder / name, error=TokenizerError)
+    check_regular(folder / "generation_config.json", error=ConfigError)
     weights = _text_weights(_read_data(files))
     quant = _quant_params(raw, weights)
 
@@ -415,7 +419,7 @@ def check_weights(cfg: ModelConfig, weights: dict, quant: dict):
             raise WeightError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(shape)} from "
                               f"config.json ({_deciding_keys(cfg, name)}); the config does not belong to these weights")
         elif not mx.issubdtype(weights[name].dtype, mx.floating):
-            raise WeightError(f"tensor {name} is {weights[name].dtype}, but the decoder needs floating-point "
+            raise WeightError(f"tensor {name} is {str(weights[name].dtype).rsplit('.', 1)[-1]}, but the decoder needs floating-point "
                               "weights here; the checkpoint is damaged or mislabelled, re-download or re-convert it")
 
 

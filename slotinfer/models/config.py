@@ -75,6 +75,7 @@ class ModelConfig:
 
 
 MAX_LAYERS = 4096  # far beyond any released decoder; a larger count is a damaged or hostile config
+_FLOAT_MAX = 1e30  # float settings (bases, scales, caps) stay far inside float32, or products of them overflow
 
 
 def _need(cfg: dict, key: str, kind=int, low=1, high=None):
@@ -83,26 +84,31 @@ def _need(cfg: dict, key: str, kind=int, low=1, high=None):
     return _as(cfg[key], key, kind, low, high)
 
 
-def _as(value, key: str, kind, low=None, high=None):
-    """``value`` as ``kind`` (int or float), finite, within [low, high] (for floats: above ``low`` when
-    ``low`` is 0, since a zero eps, base or scale is as broken as a negative one)."""
+def _as(value, key: str, kind, low=None, high=None, within: str = ""):
+    """``value`` as ``kind`` (int or float), finite, within [low, high]; for floats ``low=0`` means
+    positive (a zero eps, base or scale is as broken as a negative one), and every float stays
+    within 1e-30..1e30 of zero.  ``within`` names the object holding ``key``, for messages."""
+    at = f", in {within}" if within else ""
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not number or (kind is int and value != int(value)):
         what = "a whole number" if kind is int else "a finite number"
-        raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {value!r} (it takes {what}); "
+        raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {value!r} (it takes {what}{at}); "
                           "restore it from the checkpoint")
     value = kind(value)
-    too_low = low is not None and (value <= low if kind is float and low == 0 else value < low)
+    if kind is float and high is None:
+        high = _FLOAT_MAX
+    if kind is float and low == 0:
+        low = 1 / _FLOAT_MAX
+    too_low = low is not None and value < low
     if too_low or (high is not None and value > high):
-        bound = (f"between {low} and {high}" if high is not None else
-                 f"greater than {low}" if kind is float and low == 0 else f"at least {low}")
-        raise ConfigError(f"config.json: {key!r} must be {bound}, got {value!r}; restore it from the checkpoint")
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"config.json: {key!r} must be {bound}, got {value!r}{at}; restore it from the checkpoint")
     return value
 
 
-def _opt(cfg: dict, key: str, default, kind=int, low=None, high=None):
+def _opt(cfg: dict, key: str, default, kind=int, low=None, high=None, within: str = ""):
     """An optional key: ``default`` when absent or null, else its value as ``kind`` (see :func:`_as`)."""
-    return default if cfg.get(key) is None else _as(cfg[key], key, kind, low, high)
+    return default if cfg.get(key) is None else _as(cfg[key], key, kind, low, high, within)
 
 
 def _flag(cfg: dict, key: str, default: bool) -> bool:
@@ -133,14 +139,15 @@ def _rope(params: dict | None, theta: float | None, where: str) -> Rope:
         )
     if kind == "llama3" and params.get("factor") is None:
         raise ConfigError(f"config.json: rope type 'llama3' ({where}) needs a 'factor' (8.0 for Llama 3.1)")
-    theta = _as(theta, "rope_theta", float, 0)
-    rope = Rope(theta=theta, type=kind, factor=_opt(params, "factor", 1.0, float, 0))
+    theta = _as(theta, "rope_theta", float, 0, within=where)
+    rope = Rope(theta=theta, type=kind, factor=_opt(params, "factor", 1.0, float, 0, within=where))
     if kind == "llama3":
         rope = Rope(
             theta=theta, type=kind, factor=rope.factor,
-            low_freq_factor=_opt(params, "low_freq_factor", 1.0, float, 0),
-            high_freq_factor=_opt(params, "high_freq_factor", 4.0, float, 0),
-            original_max_position_embeddings=_opt(params, "original_max_position_embeddings", 8192, int, 1),
+            low_freq_factor=_opt(params, "low_freq_factor", 1.0, float, 0, within=where),
+            high_freq_factor=_opt(params, "high_freq_factor", 4.0, float, 0, within=where),
+            original_max_position_embeddings=_opt(params, "original_max_position_embeddings", 8192, int, 1,
+                                                  within=where),
         )
         if rope.high_freq_factor <= rope.low_freq_factor:
             raise ConfigError(f"config.json: rope 'high_freq_factor' ({rope.high_freq_factor}) must be greater than "
@@ -208,12 +215,14 @@ def parse_config(raw: dict) -> ModelConfig:
         quantization=raw.get("quantization"),
     )
     if common["num_heads"] % common["num_kv_heads"]:
-        raise ConfigError(f"config.json: {heads} attention heads is not a multiple of {common['num_kv_heads']} kv heads")
+        raise ConfigError(f"config.json: {heads} attention heads is not a multiple of {common['num_kv_heads']} kv heads "
+                          "('num_attention_heads', 'num_key_value_heads')")
 
     if mt in ("llama", "qwen2", "qwen3"):
         if rope_params and ("full_attention" in rope_params):
             rope_params = rope_params["full_attention"]
-        rope = _rope(rope_params if rope_params else cfg.get("rope_scaling"), cfg.get("rope_theta", 10000.0), "attention")
+        rope = _rope(rope_params if rope_params else cfg.get("rope_scaling"), cfg.get("rope_theta", 10000.0),
+                     "'rope_parameters'" if rope_params else "'rope_scaling'")
         return ModelConfig(
             **common, rope=rope,
             attn_bias=(mt == "qwen2") or _flag(cfg, "attention_bias", False),
@@ -231,16 +240,16 @@ def parse_config(raw: dict) -> ModelConfig:
     if mt == "gemma2":
         sliding = _layer_kinds(cfg, layers, lambda i: i % 2 == 0)
         rope_params = rope_params.get("full_attention", rope_params) if rope_params else None
-        rope = _rope(rope_params, cfg.get("rope_theta", 10000.0), "attention")
+        rope = _rope(rope_params, cfg.get("rope_theta", 10000.0), "'rope_parameters'")
         local = None
     else:
         pattern = _opt(cfg, "sliding_window_pattern", 6, int, 1)
         sliding = _layer_kinds(cfg, layers, lambda i: (i + 1) % pattern != 0)
         if rope_params and "full_attention" in rope_params:
-            rope = _rope(rope_params["full_attention"], None, "full_attention layers")
-            local = _rope(rope_params.get("sliding_attention"), 10000.0, "sliding_attention layers")
+            rope = _rope(rope_params["full_attention"], None, "'rope_parameters' of full_attention layers")
+            local = _rope(rope_params.get("sliding_attention"), 10000.0, "'rope_parameters' of sliding_attention layers")
         else:
-            rope = _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1_000_000.0), "full_attention layers")
+            rope = _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1_000_000.0), "'rope_scaling' of full_attention layers")
             local = Rope(theta=_opt(cfg, "rope_local_base_freq", 10000.0, float, 0))
     return ModelConfig(
         **common, rope=rope, local_rope=local,

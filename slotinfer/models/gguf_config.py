@@ -131,6 +131,9 @@ def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: boo
                 f"{source}: {key(suffix)} = {meta[key(suffix)]} differs from the head size {head_dim}; "
                 "slotinfer runs only models whose values and rotary dims span the whole head")
     cfg.setdefault("rope_theta", 10000.0)  # llama.cpp's default when a file leaves it out
+    if not cfg["rope_theta"] > 0:
+        raise ConfigError(f"{source}: metadata key {key('rope.freq_base')!r} (rope_theta) must be positive, got "
+                          f"{cfg['rope_theta']!r}; the file is damaged, re-convert it")
     cfg["rope_scaling"] = _rope_scaling(meta, key, source)
     if rope_factors is not None:
         if cfg["rope_scaling"] is not None or not arch.permuted_qk:
@@ -193,7 +196,10 @@ def llama3_scaling(factors, theta: float, head_dim: int, source: str) -> dict:
     if factor == 1.0 or blend.sum() < 2:
         raise refuse
     s = (1 / f[blend] - 1 / factor) / (1 - 1 / factor)
-    slope, offset = np.polyfit(1 / wavelen[blend], s, 1)
+    try:
+        slope, offset = np.polyfit(1 / wavelen[blend], s, 1)
+    except (np.linalg.LinAlgError, ValueError):
+        raise refuse from None
     if offset >= 0 or slope <= 0:
         raise refuse
     params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
