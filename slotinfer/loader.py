@@ -36,7 +36,8 @@ _QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize support
 _QUANT_GROUPS = (32, 64, 128)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "chat_template.json")
-_MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
+_MAX_HEADER = 100_000_000
+_FINITE_BATCH = 64 * 2**20  # bytes of small float tensors checked for NaN/Inf in one reduction  # the safetensors format's own limit on the JSON header
 
 
 def load(path, *, dtype=None, revision=None) -> Model:
@@ -288,20 +289,34 @@ def _text_weights(weights: dict) -> dict:
 
 
 def check_finite(weights: dict, source: str) -> None:
-    """Refuse NaN or Inf in any float tensor (a damaged file, or one saved after training diverged):
-    one reduction per tensor, evaluated together."""
+    """Refuse NaN or Inf in any float tensor (a damaged file, or one saved after training diverged).
+
+    Small tensors are checked a batch at a time (norms and quantization scales run to hundreds of
+    tensors, where one reduction each would cost more in dispatch than in reading), each batch
+    one reduction; only a batch that fails is searched tensor by tensor."""
     names = [n for n, w in weights.items() if mx.issubdtype(w.dtype, mx.floating)]
-    if not names:
+    batches, batch, size = [], [], 0
+    for n in names:
+        batch.append(n)
+        size += weights[n].nbytes
+        if size >= _FINITE_BATCH:
+            batches.append(batch)
+            batch, size = [], 0
+    batches += [batch] if batch else []
+
+    def finite(group):
+        flat = [weights[n].reshape(-1) for n in group]
+        return mx.isfinite(flat[0] if len(flat) == 1 else mx.concatenate(flat)).all()
+
+    if not batches or all(mx.stack([finite(b) for b in batches]).tolist()):
         return
-    finite = mx.stack([mx.isfinite(weights[n]).all() for n in names]).tolist()
-    bad = [n for n, ok in zip(names, finite) if not ok]
-    if bad:
-        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
-        raise WeightError(
-            f"{source}: tensor {', '.join(bad[:3])}{more} holds NaN or Inf values; the weights are damaged "
-            "(or were saved after training diverged): re-download or re-convert them. "
-            "SLOTINFER_CHECK_FINITE=0 skips this check"
-        )
+    bad = [n for n in names if not mx.isfinite(weights[n]).all().item()]
+    more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+    raise WeightError(
+        f"{source}: tensor {', '.join(bad[:3])}{more} holds NaN or Inf values; the weights are damaged "
+        "(or were saved after training diverged): re-download or re-convert them. "
+        "SLOTINFER_CHECK_FINITE=0 skips this check"
+    )
 
 
 def _quant_params(raw: dict, weights: dict) -> dict[str, dict]:
