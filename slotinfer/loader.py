@@ -64,6 +64,8 @@ def load(path, *, dtype=None, revision=None) -> Model:
             f"{str(folder)!r} is a file, not a folder; pass the folder holding config.json "
             f"(here probably {str(folder.parent)!r})"
         )
+    if os.path.lexists(folder) and not folder.is_dir():
+        check_regular(folder, error=ModelNotFoundError)  # a pipe, a device or a symlink loop: says which
     if not folder.is_dir():
         raise ModelNotFoundError(f"model folder {str(folder)!r} does not exist; pass the folder holding config.json")
     raw = read_json(folder / "config.json", error=ConfigError, required=True)
@@ -201,9 +203,8 @@ def _inside(file: Path, folder: Path) -> None:
     into the blobs folder of the same repo (where the hub keeps the files a snapshot links to)."""
     root = Path(os.path.realpath(folder))
     target = Path(os.path.realpath(file))
-    allowed = [root]
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        allowed.append(root.parent.parent / "blobs")
+    allowed = [root] + [up.parent / "blobs" for up in root.parents
+                        if up.name == "snapshots" and up.parent.name.startswith("models--")][:1]
     if not any(target.is_relative_to(a) for a in allowed):
         raise WeightError(
             f"{file.name} in {folder} leads outside the model folder (a symlink to a file elsewhere); slotinfer "

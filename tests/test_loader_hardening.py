@@ -138,6 +138,12 @@ def test_symlinks_inside_the_folder_and_into_the_hub_repos_blobs_load(source, tm
         shutil.copy(f, blobs / f"hash-{f.name}")
         (snap / f.name).symlink_to(Path("../../blobs") / f"hash-{f.name}")
     np.testing.assert_array_equal(logits(slotinfer.load(snap)), base)
+    sub = snap / "text"  # a model in a folder of the snapshot links to the same blobs
+    sub.mkdir()
+    for f in pristine.iterdir():
+        (sub / f.name).symlink_to(Path("../../../blobs") / f"hash-{f.name}")
+    np.testing.assert_array_equal(logits(slotinfer.load(sub)), base)
+    shutil.rmtree(sub)
 
     # ...but not into the blobs of another repo of the same cache
     other = tmp_path / "hub" / "models--org--other" / "blobs"
@@ -203,6 +209,7 @@ def test_a_fifo_named_as_a_gguf_is_refused(tmp_path):
     os.mkfifo(fifo)
     got = load_in_thread(fifo, fifo)
     assert isinstance(got.get("error"), ModelLoadError), got
+    assert "not a regular file" in str(got["error"])
 
 
 def test_a_device_in_place_of_config_json_is_refused(folder):
