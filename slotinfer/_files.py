@@ -74,8 +74,8 @@ def read_json(file: Path, *, error: type[Exception], required: bool = False):
     try:
         return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise error(f"{file} is not UTF-8 text (bad byte at offset {e.start}); re-download it or copy it again "
-                    "from the original checkpoint") from None
+        raise error(f"{file} is not valid JSON (not utf-8 text: a bad byte at offset {e.start}); re-download it "
+                    "or copy it again from the original checkpoint") from None
     except json.JSONDecodeError as e:  # its message gives the position, never the text
         raise error(f"{file} is not valid JSON ({e.msg}: line {e.lineno} column {e.colno}); re-download it "
                     "or copy it again from the original checkpoint") from None
