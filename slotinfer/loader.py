@@ -36,8 +36,8 @@ _QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize support
 _QUANT_GROUPS = (32, 64, 128)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                     "chat_template.json")
-_MAX_HEADER = 100_000_000
-_FINITE_BATCH = 64 * 2**20  # bytes of small float tensors checked for NaN/Inf in one reduction  # the safetensors format's own limit on the JSON header
+_MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
+_FINITE_BATCH = 64 * 2**20  # bytes of small float tensors checked for NaN/Inf in one reduction
 
 
 def load(path, *, dtype=None, revision=None) -> Model:
@@ -324,7 +324,8 @@ def _quant_params(raw: dict, weights: dict) -> dict[str, dict]:
     """{module path: {"group_size", "bits"}} for every quantized module in the checkpoint."""
     q = raw.get("quantization") or raw.get("quantization_config") or {}
     if not isinstance(q, dict):
-        raise ConfigError(f"config.json: 'quantization' must be an object like {{\"group_size\": 64, \"bits\": 4}}, got {q!r}")
+        raise ConfigError(f"config.json: 'quantization' (or 'quantization_config') must be an object like "
+                          f"{{\"group_size\": 64, \"bits\": 4}}, got {q!r}")
     overrides = {}
     for key, val in q.items():
         if isinstance(val, (dict, bool)):
@@ -435,8 +436,9 @@ def check_weights(cfg: ModelConfig, weights: dict, quant: dict):
             raise WeightError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(shape)} from "
                               f"config.json ({_deciding_keys(cfg, name)}); the config does not belong to these weights")
         elif not mx.issubdtype(weights[name].dtype, mx.floating):
-            raise WeightError(f"tensor {name} is {str(weights[name].dtype).rsplit('.', 1)[-1]}, but the decoder needs floating-point "
-                              "weights here; the checkpoint is damaged or mislabelled, re-download or re-convert it")
+            kind = str(weights[name].dtype).rsplit(".", 1)[-1]
+            raise WeightError(f"tensor {name} is {kind}, but the decoder needs floating-point weights here; "
+                              "the checkpoint is damaged or mislabelled, re-download or re-convert it")
 
 
 def _deciding_keys(cfg: ModelConfig, name: str) -> str:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import slotinfer
 from slotinfer.cache import SequenceCache
 from slotinfer.errors import ConfigError, ModelLoadError, SlotinferError, WeightError
-from slotinfer.testing import make_tiny_model
+from slotinfer.testing import FAMILIES, make_tiny_model
 
 SECRET = "SLOTINFER_TEST_SECRET=hunter2-do-not-log"
 GiB = 2**30
@@ -437,7 +437,7 @@ EXTRA_KEYS = ["head_dim", "layer_types", "sliding_window_pattern", "query_pre_at
               "quantization", "attention_bias", "mlp_bias", "rope_local_base_freq", "final_logit_softcapping"]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_any_config_value_loads_a_working_model_or_names_the_key(source, tmp_path, family):
     path = copy_of(source, tmp_path, family)
     pristine = json.loads((path / "config.json").read_text())
@@ -459,6 +459,7 @@ def test_any_config_value_loads_a_working_model_or_names_the_key(source, tmp_pat
             assert key in str(e), (key, value, str(e))
         else:
             assert np.isfinite(logits(model)).all(), (key, value)
+            assert model.generate([5, 17, 42], max_tokens=2).finish_reason in ("stop", "length")
         assert maxrss() - before < GiB and mx.get_peak_memory() < GiB, (key, value)
 
     check()

@@ -75,6 +75,7 @@ class ModelConfig:
 
 
 MAX_LAYERS = 4096  # far beyond any released decoder; a larger count is a damaged or hostile config
+_INT_MAX = 2**31 - 1  # sizes and positions meet int32 arrays on the device
 _FLOAT_MAX = 1e30  # float settings (bases, scales, caps) stay far inside float32, or products of them overflow
 
 
@@ -86,8 +87,8 @@ def _need(cfg: dict, key: str, kind=int, low=1, high=None):
 
 def _as(value, key: str, kind, low=None, high=None, within: str = ""):
     """``value`` as ``kind`` (int or float), finite, within [low, high]; for floats ``low=0`` means
-    positive (a zero eps, base or scale is as broken as a negative one), and every float stays
-    within 1e-30..1e30 of zero.  ``within`` names the object holding ``key``, for messages."""
+    positive (a zero eps, base or scale is as broken as a negative one); every float stays
+    within 1e-30..1e30 of zero and every int below 2**31.  ``within`` names the object holding ``key``, for messages."""
     at = f", in {within}" if within else ""
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not number or (kind is int and value != int(value)):
@@ -95,8 +96,8 @@ def _as(value, key: str, kind, low=None, high=None, within: str = ""):
         raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {value!r} (it takes {what}{at}); "
                           "restore it from the checkpoint")
     value = kind(value)
-    if kind is float and high is None:
-        high = _FLOAT_MAX
+    if high is None:
+        high = _FLOAT_MAX if kind is float else _INT_MAX
     if kind is float and low == 0:
         low = 1 / _FLOAT_MAX
     too_low = low is not None and value < low
@@ -181,12 +182,20 @@ def parse_config(raw: dict) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    cfg = raw
-    if model_type == "gemma3":  # multimodal wrapper: the decoder is its text part
-        if not isinstance(raw.get("text_config"), dict):
-            raise ConfigError("config.json: model_type 'gemma3' needs a 'text_config' object")
-        cfg = {**raw["text_config"], "model_type": "gemma3_text"}
-        cfg.setdefault("quantization", raw.get("quantization"))
+    if model_type != "gemma3":
+        return _parse(raw, model_type, raw)
+    # multimodal wrapper: the decoder is its text part
+    if not isinstance(raw.get("text_config"), dict):
+        raise ConfigError("config.json: model_type 'gemma3' needs a 'text_config' object")
+    cfg = {**raw["text_config"], "model_type": "gemma3_text"}
+    cfg.setdefault("quantization", raw.get("quantization"))
+    try:
+        return _parse(cfg, model_type, raw)
+    except (ConfigError, UnsupportedModelError) as e:
+        raise type(e)(f"{e} (in its 'text_config')") from None
+
+
+def _parse(cfg: dict, model_type: str, raw: dict) -> ModelConfig:
     mt = cfg["model_type"]
     for key in ("rope_scaling", "rope_parameters"):
         _rope_object(cfg.get(key), repr(key))
@@ -247,9 +256,11 @@ def parse_config(raw: dict) -> ModelConfig:
         sliding = _layer_kinds(cfg, layers, lambda i: (i + 1) % pattern != 0)
         if rope_params and "full_attention" in rope_params:
             rope = _rope(rope_params["full_attention"], None, "'rope_parameters' of full_attention layers")
-            local = _rope(rope_params.get("sliding_attention"), 10000.0, "'rope_parameters' of sliding_attention layers")
+            local = _rope(rope_params.get("sliding_attention"), 10000.0,
+                          "'rope_parameters' of sliding_attention layers")
         else:
-            rope = _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1_000_000.0), "'rope_scaling' of full_attention layers")
+            rope = _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1_000_000.0),
+                         "'rope_scaling' of full_attention layers")
             local = Rope(theta=_opt(cfg, "rope_local_base_freq", 10000.0, float, 0))
     return ModelConfig(
         **common, rope=rope, local_rope=local,
