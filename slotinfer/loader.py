@@ -324,8 +324,8 @@ def _quant_params(raw: dict, weights: dict) -> dict[str, dict]:
     """{module path: {"group_size", "bits"}} for every quantized module in the checkpoint."""
     q = raw.get("quantization") or raw.get("quantization_config") or {}
     if not isinstance(q, dict):
-        raise ConfigError(f"config.json: 'quantization' (or 'quantization_config') must be an object like "
-                          f"{{\"group_size\": 64, \"bits\": 4}}, got {q!r}")
+        raise ConfigError(f"config.json: 'quantization' must be an object like {{\"group_size\": 64, \"bits\": 4}}, "
+                          f"got {q!r} (the value of 'quantization', or else of 'quantization_config')")
     overrides = {}
     for key, val in q.items():
         if isinstance(val, (dict, bool)):

@@ -391,7 +391,7 @@ def gguf_twin(tmp_path_factory):
     ("llama.context_length", 0, "max_position_embeddings"),
     ("llama.attention.head_count", 0, "num_attention_heads"),
     ("llama.block_count", 10**7, "block_count"),
-    ("llama.embedding_length", 2**31, "hidden 2147483648"),
+    ("llama.embedding_length", 2**31, "hidden_size"),
     ("llama.rope.freq_base", -1.0, "rope_theta"),
 ])
 def test_gguf_metadata_is_checked_like_config_json(gguf_twin, tmp_path, key, value, phrase):
