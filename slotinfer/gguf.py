@@ -12,6 +12,7 @@ comes from :mod:`slotinfer.models.gguf_config`, the tokenizer from
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ._files import open_regular
 from .errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError, WeightError
 from .models import parse_config
 from .models.gguf_config import architecture, config_dict, gguf_module, module_name
@@ -32,7 +34,8 @@ _OTHER = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 1
           22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
           34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
+_SHORT_ARRAY = 4096  # arrays up to this length are read into the scanned metadata (one entry per layer)
 _MAGIC = b"GGUF"
 
 
@@ -63,37 +66,20 @@ def find(path: Path) -> Path | None:
 
 
 def _starts_with_magic(path: Path) -> bool:
-    with open(path, "rb") as f:
+    with open_regular(path, error=WeightError) as f:
         return f.read(4) == _MAGIC
 
 
-def scan(path: Path) -> list[TensorInfo]:
-    """The tensor table of a GGUF file, checked: magic, version, supported types, data inside the file."""
-    size = path.stat().st_size
-    if size < 24:
-        raise WeightError(f"{path.name} is truncated ({size} bytes); re-download it")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != _MAGIC:
-            raise WeightError(f"{path.name} is not a GGUF file (it starts with {bytes(buf[:16])!r}); "
-                              "the download is damaged or is something else, re-download it")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise WeightError(f"{path.name}: GGUF version {version} is not supported (2 and 3 are); "
-                              "re-convert it with a current llama.cpp")
-        reader = _Reader(buf, 24, path.name)
-        alignment = 32
-        for _ in range(n_kv):
-            key = reader.string()
-            value = reader.value(reader.u32())
-            if key == "general.alignment" and isinstance(value, int) and value > 0:
-                alignment = value
-        infos = []
-        for _ in range(n_tensors):
-            name = reader.string()
-            dims = [reader.unpack("<Q") for _ in range(reader.u32())]
-            infos.append((name, reader.u32(), tuple(reversed(dims)), reader.unpack("<Q")))
-        data = -(-reader.pos // alignment) * alignment
-    tensors = [TensorInfo(n, t, s, data + o) for n, t, s, o in infos]
+def scan(path: Path) -> tuple[list[TensorInfo], dict]:
+    """The tensor table of a GGUF file, checked (magic, version, supported types, data inside the file),
+    and its metadata's scalars, strings and short arrays: what the config is checked with before any
+    tensor data is read."""
+    with open_regular(path, error=WeightError) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise WeightError(f"{path.name} is truncated ({size} bytes); re-download it")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            tensors, meta = _scan(buf, size, path.name)
     for t in tensors:
         _check_type(t, path)
         _, per_block, block_bytes = _SUPPORTED[t.type]
@@ -102,7 +88,32 @@ def scan(path: Path) -> list[TensorInfo]:
         if count % per_block or end > size:
             raise WeightError(f"{path.name} is truncated or damaged: tensor {t.name} ({t.type_name}, "
                               f"shape {t.shape}) needs bytes up to {end}, the file has {size}; re-download it")
-    return tensors
+    return tensors, meta
+
+
+def _scan(buf, size: int, name: str) -> tuple[list[TensorInfo], dict]:
+    if buf[:4] != _MAGIC:
+        raise WeightError(f"{name} is not a GGUF file (it does not start with GGUF's magic bytes); "
+                          "the download is damaged or is something else, re-download it")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise WeightError(f"{name}: GGUF version {version} is not supported (2 and 3 are); "
+                          "re-convert it with a current llama.cpp")
+    reader = _Reader(buf, 24, name)
+    meta = {}
+    for _ in range(n_kv):
+        key = reader.string()
+        meta[key] = reader.value(reader.u32())
+    alignment = meta.get("general.alignment")
+    if not (isinstance(alignment, int) and not isinstance(alignment, bool) and alignment > 0):
+        alignment = 32
+    infos = []
+    for _ in range(n_tensors):
+        tensor = reader.string()
+        dims = [reader.unpack("<Q") for _ in range(reader.u32())]
+        infos.append((tensor, reader.u32(), tuple(reversed(dims)), reader.unpack("<Q")))
+    data = -(-reader.pos // alignment) * alignment
+    return [TensorInfo(n, t, s, data + o) for n, t, s, o in infos], meta
 
 
 def _check_type(t: TensorInfo, path: Path) -> None:
@@ -140,12 +151,16 @@ class _Reader:
         return raw.decode("utf-8", errors="replace")
 
     def value(self, kind: int):
+        if kind == _FLOAT32:  # the decimal the converter wrote (1e-05, not 9.999999747378752e-06)
+            return float(str(np.float32(self.unpack("<f"))))
         if kind in _SCALAR:
             return self.unpack(_SCALAR[kind])
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
             item, count = self.u32(), self.unpack("<Q")
+            if item in _SCALAR and count <= _SHORT_ARRAY:  # per-layer settings
+                return [self.unpack(_SCALAR[item]) for _ in range(count)]
             if item in _SCALAR:  # skipped, not parsed: token types and scores run to 10^5 entries
                 self.pos += count * struct.calcsize(_SCALAR[item])
                 return None
@@ -157,14 +172,13 @@ class _Reader:
 
 
 def read(path: Path):
-    """(ModelConfig, {checkpoint name: array}, {module: quantization}, metadata) of a GGUF file."""
-    tensors = scan(path)
+    """(ModelConfig, {checkpoint name: array}, {module: quantization}, metadata) of a GGUF file.
+
+    The config is built from the scanned header and checked against the tensor table before any
+    tensor data is read."""
+    tensors, scanned = scan(path)
     source = path.name
-    try:
-        weights, meta = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as e:
-        raise WeightError(f"cannot read {source}: {e}; the file is damaged, re-download it") from None
-    name, arch = architecture(meta, source)
+    name, arch = architecture(scanned, source)
     # Llama 3.1+ rope scaling: the converter stores per-frequency factors instead of its parameters
     rope = next((t for t in tensors if t.name == "rope_freqs.weight" and t.type == 0), None)
     tensors = [t for t in tensors if t is not rope]
@@ -179,14 +193,18 @@ def read(path: Path):
         hf_names[t.name] = f"{own}.{kind}"
     if "token_embd" not in by_module:
         raise WeightError(f"{source}: tensor token_embd.weight is missing; the file is incomplete, re-convert it")
-    cfg_raw = config_dict(meta, name, arch, vocab_rows=by_module["token_embd"].shape[0],
+    cfg_raw = config_dict(scanned, name, arch, vocab_rows=by_module["token_embd"].shape[0],
                           tied="output" not in by_module, source=source,
-                          rope_factors=None if rope is None else np.array(weights[rope.name]))
+                          rope_factors=None if rope is None else _f32(path, rope))
     try:
         cfg = parse_config(cfg_raw)
     except ModelLoadError as e:
         raise type(e)(f"{source}: its metadata gives a config slotinfer cannot run: {e}") from None
     _check_shapes(cfg, arch, tensors, hf_names, source)
+    try:
+        weights, meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise WeightError(f"cannot read {source}: {e}; the file is damaged, re-download it") from None
 
     out, quant = {}, {}
     for t in tensors:
@@ -209,6 +227,10 @@ def read(path: Path):
                 w = w.astype(mx.float32) - arch.norm_shift  # the loader adds the family's offset back
             out[f"{module}.{kind}"] = w
     return cfg, out, quant, meta
+
+
+def _f32(path: Path, t: TensorInfo) -> np.ndarray:
+    return np.fromfile(path, dtype="<f4", count=int(np.prod(t.shape, dtype=np.int64)), offset=t.offset)
 
 
 def _bf16(path: Path, t: TensorInfo) -> mx.array:

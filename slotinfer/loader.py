@@ -12,15 +12,17 @@ A ``.gguf`` file (or a folder holding one and no config.json) is read by
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import device, gguf, hub
-from ._files import read_json
+from . import device, gguf, hub, settings
+from ._files import check_regular, open_regular, read_json
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
 from .model import Model
 from .models import ModelConfig, Transformer, parse_config
@@ -32,7 +34,10 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize support
 _QUANT_GROUPS = (32, 64, 128)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "chat_template.json")
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
+_FINITE_BATCH = 64 * 2**20  # bytes of small float tensors checked for NaN/Inf in one reduction
 
 
 def load(path, *, dtype=None, revision=None) -> Model:
@@ -59,11 +64,19 @@ def load(path, *, dtype=None, revision=None) -> Model:
             f"{str(folder)!r} is a file, not a folder; pass the folder holding config.json "
             f"(here probably {str(folder.parent)!r})"
         )
+    if os.path.lexists(folder) and not folder.is_dir():
+        check_regular(folder, error=ModelNotFoundError)  # a pipe, a device or a symlink loop: says which
     if not folder.is_dir():
         raise ModelNotFoundError(f"model folder {str(folder)!r} does not exist; pass the folder holding config.json")
     raw = read_json(folder / "config.json", error=ConfigError, required=True)
     cfg = parse_config(raw)
-    weights = _text_weights(read_safetensors(folder))
+    files = shard_files(folder)
+    specs = _text_weights({k: v for f in files for k, v in read_header(f).items()})
+    check_weights(cfg, specs, _quant_params(raw, specs))  # the config against the headers, before any data
+    for name in _TOKENIZER_FILES:  # what the tokenizer reads, refused before the weights are read when it cannot be
+        check_regular(folder / name, error=TokenizerError)
+    check_regular(folder / "generation_config.json", error=ConfigError)
+    weights = _text_weights(_read_data(files))
     quant = _quant_params(raw, weights)
 
     def tokenizer():
@@ -86,6 +99,8 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
     device.retain_freed_memory()
     keep_q = device.keep_quantized() and dtype is None
     check_weights(cfg, weights, quant)
+    if settings.check_finite():
+        check_finite(weights, path.name)
     weights = _prepare(cfg, weights, quant, compute, keep_q)
 
     net = Transformer(cfg, device.model_ops())
@@ -108,9 +123,41 @@ def _load_gguf(file: Path, dtype) -> Model:
     return assemble(cfg, weights, quant, dtype=dtype, path=file, tokenizer=lambda: (tok, tok.eos_ids))
 
 
+class TensorSpec(NamedTuple):
+    """A tensor as its file's header describes it: enough to check a config against, no data."""
+
+    dtype: mx.Dtype
+    shape: tuple
+
+
+_ST_DTYPES = {"F64": mx.float64, "F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32,
+              "I32": mx.int32, "U16": mx.uint16, "I16": mx.int16, "U8": mx.uint8, "I8": mx.int8,
+              "U64": mx.uint64, "I64": mx.int64, "BOOL": mx.bool_}
+
+
 def read_safetensors(folder: Path) -> dict[str, mx.array]:
+    """Every tensor of the folder's shards (checked by their headers first)."""
+    files = shard_files(folder)
+    for f in files:
+        read_header(f)
+    return _read_data(files)
+
+
+def _read_data(files: list[Path]) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises plain RuntimeError/ValueError on bad files
+            raise WeightError(f"cannot read {f.name}: {e}; the file is damaged, re-download it") from None
+    return weights
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The safetensors files of a folder: those its index names, else every ``*.safetensors``; each one
+    inside the folder (see :func:`_inside`)."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
+    if os.path.lexists(index):
         data = read_json(index, error=WeightError)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
@@ -124,30 +171,52 @@ def read_safetensors(folder: Path) -> dict[str, mx.array]:
                 f"{index.name}: 'weight_map' must map tensor names to shard file names, got {bad[0]!r}; "
                 "restore the file from the checkpoint"
             )
-        files = sorted({folder / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.exists()]
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            _plain_name(name, index)
+        files = [folder / name for name in names]
+        missing = [f.name for f in files if not os.path.lexists(f)]
         if missing:
             raise ModelNotFoundError(f"shards listed in {index.name} are missing: {', '.join(missing)}")
     else:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ModelNotFoundError(f"no *.safetensors weights in {str(folder)!r}")
-    weights: dict[str, mx.array] = {}
     for f in files:
-        _check_complete(f)
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:  # mlx raises plain RuntimeError/ValueError on bad files
-            raise WeightError(f"cannot read {f.name}: {e}; the file is damaged, re-download it") from None
-    return weights
+        _inside(f, folder)
+    return files
 
 
-def _check_complete(f: Path):
-    """Catch truncated downloads, and files that are not safetensors at all, before the reader does."""
-    if f.is_dir():
-        raise WeightError(f"{f} is a directory, not a weights file; replace it with the checkpoint's {f.name}")
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
+def _plain_name(name: str, index: Path) -> None:
+    """A shard name of an index is a relative path below the folder: no absolute path, no '..'."""
+    parts = PurePosixPath(name).parts
+    if name.startswith(("/", "\\")) or "\\" in name or "\0" in name or ".." in parts or not parts:
+        raise WeightError(
+            f"{index.name} names the shard {name!r}, which is not a file inside the model folder; shard names "
+            "are file names relative to the folder (like model-00001-of-00002.safetensors): restore the index "
+            "from the checkpoint"
+        )
+
+
+def _inside(file: Path, folder: Path) -> None:
+    """A weights file must resolve into the model folder, or, in a Hugging Face hub cache snapshot,
+    into the blobs folder of the same repo (where the hub keeps the files a snapshot links to)."""
+    root = Path(os.path.realpath(folder))
+    target = Path(os.path.realpath(file))
+    allowed = [root] + [up.parent / "blobs" for up in root.parents
+                        if up.name == "snapshots" and up.parent.name.startswith("models--")][:1]
+    if not any(target.is_relative_to(a) for a in allowed):
+        raise WeightError(
+            f"{file.name} in {folder} leads outside the model folder (a symlink to a file elsewhere); slotinfer "
+            "reads weights only from inside the folder: copy the file into the folder instead of linking it"
+        )
+
+
+def read_header(f: Path) -> dict[str, TensorSpec]:
+    """The tensors a safetensors file declares, checked against the file before any data is read:
+    truncated downloads, files that are not safetensors at all, and headers that lie about sizes."""
+    with open_regular(f, error=WeightError) as fh:
+        size = os.fstat(fh.fileno()).st_size
         start = fh.read(64)
         if start.startswith(b"version https://git-lfs"):
             raise WeightError(
@@ -159,7 +228,7 @@ def _check_complete(f: Path):
         n = struct.unpack("<Q", start[:8])[0]
         if n > _MAX_HEADER or start[8:9] not in (b"{", b""):  # a safetensors header is a JSON object
             raise WeightError(
-                f"{f.name} is not a safetensors file (it starts with {start[:24]!r}); "
+                f"{f.name} is not a safetensors file (its first bytes are no safetensors header); "
                 "the download is damaged or is something else (an error page?), re-download it"
             )
         if 8 + n > size:
@@ -167,21 +236,43 @@ def _check_complete(f: Path):
         fh.seek(8)
         try:
             header = json.loads(fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise WeightError(f"{f.name} has a damaged header; it is not a complete safetensors file, re-download it") from None
-    end = 0
+    if not isinstance(header, dict):
+        raise WeightError(f"{f.name} has a damaged header; it is not a complete safetensors file, re-download it")
+    specs, end = {}, 0
     for k, v in header.items():
         if k == "__metadata__":
             continue
-        o = v.get("data_offsets") if isinstance(v, dict) else None
-        if not (isinstance(o, list) and len(o) == 2 and all(isinstance(x, int) for x in o)):
+        specs[k] = spec = _tensor_spec(f, k, v)
+        o = v["data_offsets"]
+        if o[1] - o[0] != math.prod(spec.shape) * spec.dtype.size:
             raise WeightError(
-                f"{f.name} is not a valid safetensors file (tensor {k!r} has no valid 'data_offsets'); "
-                "the file is damaged, re-download it"
+                f"{f.name}: tensor {k!r} ({v['dtype']}, shape {spec.shape}) spans {o[1] - o[0]} bytes, "
+                f"its shape needs {math.prod(spec.shape) * spec.dtype.size}; the file is damaged, re-download it"
             )
         end = max(end, o[1])
     if 8 + n + end > size:
         raise WeightError(f"{f.name} is truncated: its header needs {8 + n + end} bytes, the file has {size}; re-download it")
+    return specs
+
+
+def _tensor_spec(f: Path, k: str, v) -> TensorSpec:
+    o = v.get("data_offsets") if isinstance(v, dict) else None
+    if not (isinstance(o, list) and len(o) == 2 and all(isinstance(x, int) for x in o) and 0 <= o[0] <= o[1]):
+        raise WeightError(
+            f"{f.name} is not a valid safetensors file (tensor {k!r} has no valid 'data_offsets'); "
+            "the file is damaged, re-download it"
+        )
+    shape = v.get("shape")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise WeightError(f"{f.name} is not a valid safetensors file (tensor {k!r} has no valid 'shape'); "
+                          "the file is damaged, re-download it")
+    dtype = _ST_DTYPES.get(v.get("dtype"))
+    if dtype is None:
+        raise WeightError(f"{f.name}: tensor {k!r} has dtype {v.get('dtype')!r}, which slotinfer cannot read "
+                          f"(it reads {', '.join(_ST_DTYPES)}); convert the checkpoint to float16, bfloat16 or float32")
+    return TensorSpec(dtype, tuple(shape))
 
 
 def _text_weights(weights: dict) -> dict:
@@ -198,11 +289,43 @@ def _text_weights(weights: dict) -> dict:
     return out
 
 
+def check_finite(weights: dict, source: str) -> None:
+    """Refuse NaN or Inf in any float tensor (a damaged file, or one saved after training diverged).
+
+    Small tensors are checked a batch at a time (norms and quantization scales run to hundreds of
+    tensors, where one reduction each would cost more in dispatch than in reading), each batch
+    one reduction; only a batch that fails is searched tensor by tensor."""
+    names = [n for n, w in weights.items() if mx.issubdtype(w.dtype, mx.floating)]
+    batches, batch, size = [], [], 0
+    for n in names:
+        batch.append(n)
+        size += weights[n].nbytes
+        if size >= _FINITE_BATCH:
+            batches.append(batch)
+            batch, size = [], 0
+    batches += [batch] if batch else []
+
+    def finite(group):
+        flat = [weights[n].reshape(-1) for n in group]
+        return mx.isfinite(flat[0] if len(flat) == 1 else mx.concatenate(flat)).all()
+
+    if not batches or all(mx.stack([finite(b) for b in batches]).tolist()):
+        return
+    bad = [n for n in names if not mx.isfinite(weights[n]).all().item()]
+    more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+    raise WeightError(
+        f"{source}: tensor {', '.join(bad[:3])}{more} holds NaN or Inf values; the weights are damaged "
+        "(or were saved after training diverged): re-download or re-convert them. "
+        "SLOTINFER_CHECK_FINITE=0 skips this check"
+    )
+
+
 def _quant_params(raw: dict, weights: dict) -> dict[str, dict]:
     """{module path: {"group_size", "bits"}} for every quantized module in the checkpoint."""
     q = raw.get("quantization") or raw.get("quantization_config") or {}
     if not isinstance(q, dict):
-        raise ConfigError(f"config.json: 'quantization' must be an object like {{\"group_size\": 64, \"bits\": 4}}, got {q!r}")
+        raise ConfigError(f"config.json: 'quantization' must be an object like {{\"group_size\": 64, \"bits\": 4}}, "
+                          f"got {q!r} (the value of 'quantization', or else of 'quantization_config')")
     overrides = {}
     for key, val in q.items():
         if isinstance(val, (dict, bool)):
@@ -273,7 +396,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
     return shapes
 
 
+def check_layer_count(cfg: ModelConfig, names, source: str = "config.json's num_hidden_layers") -> None:
+    """The config's layer count against the layers the tensors hold, before anything is sized by it."""
+    layers = {n.split(".")[2] for n in names if n.startswith("model.layers.")}
+    if len(layers) != cfg.num_layers or any(not i.isdigit() or int(i) >= cfg.num_layers for i in layers):
+        raise WeightError(
+            f"{source} gives {cfg.num_layers} layers, but the tensors hold {len(layers)} (model.layers.*); "
+            "the config does not belong to these weights: restore it from the checkpoint"
+        )
+
+
 def check_weights(cfg: ModelConfig, weights: dict, quant: dict):
+    """Every tensor the config asks for, with its shape and a dtype the decoder can use; ``weights``
+    holds arrays or :class:`TensorSpec` (headers), so this runs before any data is read too."""
+    check_layer_count(cfg, weights)
     expected = expected_shapes(cfg)
     if cfg.tie_word_embeddings:  # some tied checkpoints still carry a copy of the head
         for suffix in ("weight", "scales", "biases"):
@@ -283,7 +419,7 @@ def check_weights(cfg: ModelConfig, weights: dict, quant: dict):
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise WeightError(
             f"tensors missing from the checkpoint: {', '.join(missing[:5])}{more}; "
-            f"the weights do not match config.json (model_type {cfg.model_type!r})"
+            f"the weights do not match config.json ({_deciding_keys(cfg, missing[0])})"
         )
     aux = {f"{m}.{s}" for m in quant for s in ("scales", "biases")}
     unexpected = sorted(set(weights) - set(expected) - aux)
@@ -297,7 +433,23 @@ def check_weights(cfg: ModelConfig, weights: dict, quant: dict):
         if name.endswith(".weight") and module in quant:
             _check_quantized(module, tuple(shape), weights, quant[module])
         elif tuple(weights[name].shape) != tuple(shape):
-            raise WeightError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(shape)} from config.json")
+            raise WeightError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(shape)} from "
+                              f"config.json ({_deciding_keys(cfg, name)}); the config does not belong to these weights")
+        elif not mx.issubdtype(weights[name].dtype, mx.floating):
+            kind = str(weights[name].dtype).rsplit(".", 1)[-1]
+            raise WeightError(f"tensor {name} is {kind}, but the decoder needs floating-point weights here; "
+                              "the checkpoint is damaged or mislabelled, re-download or re-convert it")
+
+
+def _deciding_keys(cfg: ModelConfig, name: str) -> str:
+    """The config.json keys that decide whether the checkpoint holds ``name``, and its shape."""
+    if name.startswith("lm_head."):
+        return f"tie_word_embeddings {cfg.tie_word_embeddings}, vocab_size {cfg.vocab_size}"
+    if name.endswith("_proj.bias"):
+        return f"model_type {cfg.model_type!r}, attention_bias, mlp_bias"
+    return (f"model_type {cfg.model_type!r}, hidden_size {cfg.hidden_size}, intermediate_size "
+            f"{cfg.intermediate_size}, num_attention_heads {cfg.num_heads}, num_key_value_heads {cfg.num_kv_heads}, "
+            f"head_dim {cfg.head_dim}, vocab_size {cfg.vocab_size}")
 
 
 def _check_quantized(module: str, shape: tuple, weights: dict, q: dict):

@@ -56,6 +56,11 @@ def compile_steps() -> bool:
     return _flag("SLOTINFER_COMPILE")
 
 
+def check_finite() -> bool:
+    """``SLOTINFER_CHECK_FINITE=0``: ``load`` does not scan the weights for NaN and Inf."""
+    return _flag("SLOTINFER_CHECK_FINITE")
+
+
 def cache_dir() -> Path:
     """``SLOTINFER_CACHE``: where ``slotinfer bench`` and ``slotinfer demo`` keep the models
     they build; default ``~/.cache/slotinfer``.  The library itself writes nothing there."""

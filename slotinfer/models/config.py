@@ -74,22 +74,51 @@ class ModelConfig:
         return self.rope
 
 
-def _need(cfg: dict, key: str, kind=int):
+MAX_LAYERS = 4096  # far beyond any released decoder; a larger count is a damaged or hostile config
+_INT_MAX = 2**31 - 1  # sizes and positions meet int32 arrays on the device
+_FLOAT_MAX = 1e30  # float settings (bases, scales, caps) stay far inside float32, or products of them overflow
+
+
+def _need(cfg: dict, key: str, kind=int, low=1, high=None):
     if key not in cfg or cfg[key] is None:
         raise ConfigError(f"config.json has no {key!r}; it is required for model_type {cfg.get('model_type')!r}")
-    return _as(cfg[key], key, kind)
+    return _as(cfg[key], key, kind, low, high)
 
 
-def _as(value, key: str, kind):
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {value!r}") from None
+def _as(value, key: str, kind, low=None, high=None, within: str = ""):
+    """``value`` as ``kind`` (int or float), finite, within [low, high]; for floats ``low=0`` means
+    positive (a zero eps, base or scale is as broken as a negative one); every float stays
+    within 1e-30..1e30 of zero and every int below 2**31.  ``within`` names the object holding ``key``, for messages."""
+    at = f", in {within}" if within else ""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or (kind is int and value != int(value)):
+        what = "a whole number" if kind is int else "a finite number"
+        raise ConfigError(f"config.json: {key!r} must be {kind.__name__}, got {value!r} (it takes {what}{at}); "
+                          "restore it from the checkpoint")
+    value = kind(value)
+    if high is None:
+        high = _FLOAT_MAX if kind is float else _INT_MAX
+    if kind is float and low == 0:
+        low = 1 / _FLOAT_MAX
+    too_low = low is not None and value < low
+    if too_low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"config.json: {key!r} must be {bound}, got {value!r}{at}; restore it from the checkpoint")
+    return value
 
 
-def _opt(cfg: dict, key: str, default, kind=int):
-    """An optional key: ``default`` when absent or null, else its value as ``kind``."""
-    return default if cfg.get(key) is None else _as(cfg[key], key, kind)
+def _opt(cfg: dict, key: str, default, kind=int, low=None, high=None, within: str = ""):
+    """An optional key: ``default`` when absent or null, else its value as ``kind`` (see :func:`_as`)."""
+    return default if cfg.get(key) is None else _as(cfg[key], key, kind, low, high, within)
+
+
+def _flag(cfg: dict, key: str, default: bool) -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"config.json: {key!r} must be true or false, got {value!r}")
+    return value
 
 
 def _rope_object(params, what: str):
@@ -105,33 +134,41 @@ def _rope(params: dict | None, theta: float | None, where: str) -> Rope:
     theta = params.get("rope_theta", theta)
     if theta is None:
         raise ConfigError(f"config.json: no rope_theta for {where} (looked in rope_parameters and rope_theta)")
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise UnsupportedModelError(
             f"config.json: rope type {kind!r} ({where}) is not supported; supported: {', '.join(ROPE_TYPES)}"
         )
     if kind == "llama3" and params.get("factor") is None:
         raise ConfigError(f"config.json: rope type 'llama3' ({where}) needs a 'factor' (8.0 for Llama 3.1)")
-    theta = _as(theta, "rope_theta", float)
-    rope = Rope(theta=theta, type=kind, factor=_opt(params, "factor", 0.0, float) or 1.0)
+    theta = _as(theta, "rope_theta", float, 0, within=where)
+    rope = Rope(theta=theta, type=kind, factor=_opt(params, "factor", 1.0, float, 0, within=where))
     if kind == "llama3":
         rope = Rope(
-            theta=theta, type=kind, factor=_opt(params, "factor", None, float),
-            low_freq_factor=_opt(params, "low_freq_factor", 1.0, float),
-            high_freq_factor=_opt(params, "high_freq_factor", 4.0, float),
-            original_max_position_embeddings=_opt(params, "original_max_position_embeddings", 8192),
+            theta=theta, type=kind, factor=rope.factor,
+            low_freq_factor=_opt(params, "low_freq_factor", 1.0, float, 0, within=where),
+            high_freq_factor=_opt(params, "high_freq_factor", 4.0, float, 0, within=where),
+            original_max_position_embeddings=_opt(params, "original_max_position_embeddings", 8192, int, 1,
+                                                  within=where),
         )
+        if rope.high_freq_factor <= rope.low_freq_factor:
+            raise ConfigError(f"config.json: rope 'high_freq_factor' ({rope.high_freq_factor}) must be greater than "
+                              f"'low_freq_factor' ({rope.low_freq_factor}) ({where}); Llama 3.1 uses 4.0 and 1.0")
     return rope
 
 
 def _layer_kinds(cfg: dict, n: int, default_pattern) -> tuple[bool, ...]:
     """Per layer: True where the layer uses sliding-window attention."""
-    if cfg.get("layer_types"):
+    if cfg.get("layer_types") is not None:
         kinds = cfg["layer_types"]
+        if not isinstance(kinds, list):
+            raise ConfigError(f"config.json: 'layer_types' must be a list of 'sliding_attention' or "
+                              f"'full_attention', one per layer; got {kinds!r}")
         if len(kinds) != n:
             raise ConfigError(f"config.json: layer_types has {len(kinds)} entries for {n} layers")
-        unknown = set(kinds) - {"sliding_attention", "full_attention"}
+        unknown = [k for k in kinds if k not in ("sliding_attention", "full_attention")]
         if unknown:
-            raise ConfigError(f"config.json: unknown layer_types {sorted(unknown)}")
+            raise ConfigError(f"config.json: unknown layer_types {unknown[:3]!r}; each entry is "
+                              "'sliding_attention' or 'full_attention'")
         return tuple(k == "sliding_attention" for k in kinds)
     return tuple(default_pattern(i) for i in range(n))
 
@@ -145,20 +182,31 @@ def parse_config(raw: dict) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    cfg = raw
-    if model_type == "gemma3":  # multimodal wrapper: the decoder is its text part
-        if not isinstance(raw.get("text_config"), dict):
-            raise ConfigError("config.json: model_type 'gemma3' needs a 'text_config' object")
-        cfg = {**raw["text_config"], "model_type": "gemma3_text"}
-        cfg.setdefault("quantization", raw.get("quantization"))
+    if model_type != "gemma3":
+        return _parse(raw, model_type, raw)
+    # multimodal wrapper: the decoder is its text part
+    if not isinstance(raw.get("text_config"), dict):
+        raise ConfigError("config.json: model_type 'gemma3' needs a 'text_config' object")
+    cfg = {**raw["text_config"], "model_type": "gemma3_text"}
+    cfg.setdefault("quantization", raw.get("quantization"))
+    try:
+        return _parse(cfg, model_type, raw)
+    except (ConfigError, UnsupportedModelError) as e:
+        raise type(e)(f"{e} (in its 'text_config')") from None
+
+
+def _parse(cfg: dict, model_type: str, raw: dict) -> ModelConfig:
     mt = cfg["model_type"]
     for key in ("rope_scaling", "rope_parameters"):
         _rope_object(cfg.get(key), repr(key))
 
     hidden = _need(cfg, "hidden_size")
     heads = _need(cfg, "num_attention_heads")
-    layers = _need(cfg, "num_hidden_layers")
-    head_dim = _opt(cfg, "head_dim", 0) or hidden // heads
+    layers = _need(cfg, "num_hidden_layers", high=MAX_LAYERS)
+    head_dim = _opt(cfg, "head_dim", None, int, 1) or hidden // heads
+    if head_dim < 1 or head_dim % 2:
+        raise ConfigError(f"config.json: the head size ('head_dim', or 'hidden_size' / 'num_attention_heads') is "
+                          f"{head_dim}; rotary embeddings need an even size of at least 2")
     rope_params = cfg.get("rope_parameters")
     gemma = mt in ("gemma2", "gemma3_text")
     common = dict(
@@ -167,49 +215,53 @@ def parse_config(raw: dict) -> ModelConfig:
         intermediate_size=_need(cfg, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=_opt(cfg, "num_key_value_heads", 0) or heads,
+        num_kv_heads=_opt(cfg, "num_key_value_heads", heads, int, 1, heads),
         head_dim=head_dim,
         vocab_size=_need(cfg, "vocab_size"),
-        rms_norm_eps=_opt(cfg, "rms_norm_eps", 1e-6, float),
-        max_position_embeddings=_opt(cfg, "max_position_embeddings", 0) or 131072,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+        rms_norm_eps=_opt(cfg, "rms_norm_eps", 1e-6, float, 0, 1),
+        max_position_embeddings=_opt(cfg, "max_position_embeddings", 131072, int, 1),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", gemma),
         quantization=raw.get("quantization"),
     )
     if common["num_heads"] % common["num_kv_heads"]:
-        raise ConfigError(f"config.json: {heads} attention heads is not a multiple of {common['num_kv_heads']} kv heads")
+        raise ConfigError(f"config.json: {heads} attention heads is not a multiple of {common['num_kv_heads']} kv heads "
+                          "('num_attention_heads', 'num_key_value_heads')")
 
     if mt in ("llama", "qwen2", "qwen3"):
         if rope_params and ("full_attention" in rope_params):
             rope_params = rope_params["full_attention"]
-        rope = _rope(rope_params if rope_params else cfg.get("rope_scaling"), cfg.get("rope_theta", 10000.0), "attention")
+        rope = _rope(rope_params if rope_params else cfg.get("rope_scaling"), cfg.get("rope_theta", 10000.0),
+                     "'rope_parameters'" if rope_params else "'rope_scaling'")
         return ModelConfig(
             **common, rope=rope,
-            attn_bias=(mt == "qwen2") or bool(cfg.get("attention_bias", False)),
-            o_bias=mt == "llama" and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            attn_bias=(mt == "qwen2") or _flag(cfg, "attention_bias", False),
+            o_bias=mt == "llama" and _flag(cfg, "attention_bias", False),
+            mlp_bias=_flag(cfg, "mlp_bias", False),
             qk_norm=mt == "qwen3",
         )
 
     # Gemma 2 / Gemma 3
     window = _need(cfg, "sliding_window")
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu"):
-        raise UnsupportedModelError(f"config.json: activation {act!r} is not supported for {mt}")
-    scalar = float(cfg.get("query_pre_attn_scalar") or head_dim)
+    if not isinstance(act, str) or act not in ("gelu_pytorch_tanh", "gelu"):
+        raise UnsupportedModelError(f"config.json: activation {act!r} ('hidden_activation') is not supported for {mt}")
+    scalar = _opt(cfg, "query_pre_attn_scalar", head_dim, float, 0)
     if mt == "gemma2":
         sliding = _layer_kinds(cfg, layers, lambda i: i % 2 == 0)
         rope_params = rope_params.get("full_attention", rope_params) if rope_params else None
-        rope = _rope(rope_params, cfg.get("rope_theta", 10000.0), "attention")
+        rope = _rope(rope_params, cfg.get("rope_theta", 10000.0), "'rope_parameters'")
         local = None
     else:
-        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        pattern = _opt(cfg, "sliding_window_pattern", 6, int, 1)
         sliding = _layer_kinds(cfg, layers, lambda i: (i + 1) % pattern != 0)
         if rope_params and "full_attention" in rope_params:
-            rope = _rope(rope_params["full_attention"], None, "full_attention layers")
-            local = _rope(rope_params.get("sliding_attention"), 10000.0, "sliding_attention layers")
+            rope = _rope(rope_params["full_attention"], None, "'rope_parameters' of full_attention layers")
+            local = _rope(rope_params.get("sliding_attention"), 10000.0,
+                          "'rope_parameters' of sliding_attention layers")
         else:
-            rope = _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1_000_000.0), "full_attention layers")
-            local = Rope(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+            rope = _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1_000_000.0),
+                         "'rope_scaling' of full_attention layers")
+            local = Rope(theta=_opt(cfg, "rope_local_base_freq", 10000.0, float, 0))
     return ModelConfig(
         **common, rope=rope, local_rope=local,
         qk_norm=mt == "gemma3_text",
@@ -218,8 +270,8 @@ def parse_config(raw: dict) -> ModelConfig:
         embed_scale=math.sqrt(hidden),
         attn_scale=scalar ** -0.5,
         activation="gelu_tanh",
-        attn_softcap=cfg.get("attn_logit_softcapping") if mt == "gemma2" else None,
-        final_softcap=cfg.get("final_logit_softcapping"),
+        attn_softcap=_opt(cfg, "attn_logit_softcapping", None, float, 0) if mt == "gemma2" else None,
+        final_softcap=_opt(cfg, "final_logit_softcapping", None, float, 0),
         sliding_window=window,
         sliding_layers=sliding,
     )

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, UnsupportedModelError
+from .config import MAX_LAYERS
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: boo
         elif required:
             raise ConfigError(f"{source}: metadata key {key(suffix)!r} is missing; the file is incomplete, "
                               "re-convert it with llama.cpp's convert_hf_to_gguf.py")
+    if not 1 <= cfg["num_hidden_layers"] <= MAX_LAYERS:
+        raise ConfigError(f"{source}: metadata key {key('block_count')!r} = {cfg['num_hidden_layers']} is not a "
+                          f"layer count (1 to {MAX_LAYERS}); the file is damaged, re-convert it")
     if key("vocab_size") in meta and _scalar(meta[key("vocab_size")], key("vocab_size"), int, source) != vocab_rows:
         raise ConfigError(f"{source}: {key('vocab_size')} = {meta[key('vocab_size')]} but token_embd has "
                           f"{vocab_rows} rows; the file is inconsistent, re-convert it")
@@ -127,6 +131,9 @@ def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: boo
                 f"{source}: {key(suffix)} = {meta[key(suffix)]} differs from the head size {head_dim}; "
                 "slotinfer runs only models whose values and rotary dims span the whole head")
     cfg.setdefault("rope_theta", 10000.0)  # llama.cpp's default when a file leaves it out
+    if not cfg["rope_theta"] > 0:
+        raise ConfigError(f"{source}: metadata key {key('rope.freq_base')!r} (rope_theta) must be positive, got "
+                          f"{cfg['rope_theta']!r}; the file is damaged, re-convert it")
     cfg["rope_scaling"] = _rope_scaling(meta, key, source)
     if rope_factors is not None:
         if cfg["rope_scaling"] is not None or not arch.permuted_qk:
@@ -143,12 +150,15 @@ def _gemma(cfg: dict, meta: dict, key, arch: Arch, source: str) -> None:
         raise ConfigError(f"{source}: metadata key {key('attention.sliding_window')!r} is missing; "
                           f"{arch.model_type} needs it")
     cfg["hidden_activation"] = "gelu_pytorch_tanh"
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // max(cfg["num_attention_heads"], 1)
     if key("attention.scale") in meta:
         scale = _scalar(meta[key("attention.scale")], key("attention.scale"), float, source)
+        if not 0 < scale < 1e6:
+            raise ConfigError(f"{source}: metadata key {key('attention.scale')!r} must be a positive number, got "
+                              f"{scale!r}; the file is damaged, re-convert it")
         cfg["query_pre_attn_scalar"] = 1.0 / (scale * scale)
     elif arch.model_type == "gemma2" and cfg["num_hidden_layers"] == 46:
-        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] / cfg["num_attention_heads"]  # llama.cpp: Gemma 2 27B
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] / max(cfg["num_attention_heads"], 1)  # llama.cpp: Gemma 2 27B
     else:
         cfg["query_pre_attn_scalar"] = head_dim
     n = cfg["num_hidden_layers"]
@@ -186,7 +196,10 @@ def llama3_scaling(factors, theta: float, head_dim: int, source: str) -> dict:
     if factor == 1.0 or blend.sum() < 2:
         raise refuse
     s = (1 / f[blend] - 1 / factor) / (1 - 1 / factor)
-    slope, offset = np.polyfit(1 / wavelen[blend], s, 1)
+    try:
+        slope, offset = np.polyfit(1 / wavelen[blend], s, 1)
+    except (np.linalg.LinAlgError, ValueError):
+        raise refuse from None
     if offset >= 0 or slope <= 0:
         raise refuse
     params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
@@ -216,7 +229,7 @@ def _scalar(value, name: str, kind, source: str):
     """A metadata number (MLX hands them over as 0-d arrays) as ``kind``."""
     if hasattr(value, "ndim") and value.ndim == 0:
         # a float32 stands for the decimal the converter wrote (1e-05, not 9.999999747378752e-06)
-        value = float(str(np.float32(value.item()))) if value.dtype == mx.float32 else value.item()
+        value = float(str(np.float32(value.item()))) if str(value.dtype).endswith("float32") else value.item()
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or (kind is int and (value != int(value) or value < 0)):
         raise ConfigError(f"{source}: metadata key {name!r} must be a {'whole ' if kind is int else ''}number, "
