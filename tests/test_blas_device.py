@@ -88,6 +88,7 @@ with mx.stream(mx.cpu):
 print(json.dumps({"name": slotinfer.BLAS.name, "optimized": slotinfer.BLAS.optimized, "err": err}))
 """
 
+
 @pytest.mark.skipif(not LINUX, reason="MLX uses Accelerate / GPU off Linux")
 def test_optimized_blas_loaded_when_installed():
     if os.environ.get("SLOTINFER_BLAS"):
