@@ -195,15 +195,18 @@ def test_signal_shuts_down_gracefully_with_exit_0(model_dir, sig):
         proc.stderr.close()
 
 
-def test_bench_serve_drives_the_server_and_the_inferencer_alike(model_dir, capsys):
+def test_bench_serve_drives_the_server_and_the_inferencer_alike(model_dir, capsys, tmp_path):
     from slotinfer.cli import main
 
+    plot = tmp_path / "serve.svg"
     assert main(["bench", "--serve", "--model", str(model_dir("qwen3")), "--clients", "3", "--requests", "2",
-                 "--gen-tokens", "5", "--prompt-tokens", "8"]) == 0
+                 "--gen-tokens", "5", "--prompt-tokens", "8", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["3"]]
     assert [r[1] for r in rows] == ["server", "in-process", "in-process", "server", "ratio"]
     assert all(float(r[2]) > 0 for r in rows[:4]) and rows[4][-1].endswith("x")
+    svg = plot.read_text()  # one point per client count and side, labelled
+    assert svg.startswith("<svg") and svg.count("<circle") == 2 and "in-process Inferencer" in svg
 
 
 def test_bench_serve_counts_every_token_on_both_sides(model):

@@ -40,6 +40,7 @@ def add_arguments(p):
                    help="runs of each side, alternating server/in-process then in-process/server")
     p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the workload on an in-process Inferencer and print the ratio")
+    p.add_argument("--plot", metavar="FILE.svg", help="write tokens/s against client count as an SVG plot")
 
 
 def bench_model(shape: str | None):
@@ -171,6 +172,7 @@ def run(args) -> int:
     print(f"{'clients':>7} {'where':>10} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} "
           f"{'ITL p95':>8}")
     max_len = plen + gen + 8
+    medians = {"server": [], "in-process": []}  # per client count, for --plot
     try:
         url = args.url
         if url is None:
@@ -197,14 +199,26 @@ def run(args) -> int:
             finally:
                 if inf is not None:
                     inf.close()
+            for where, rs in runs.items():
+                if rs:
+                    medians[where].append(statistics.median(r["tokens_per_s"] for r in rs))
             if runs["in-process"]:
-                served = statistics.mean(r["tokens_per_s"] for r in runs["server"])
-                local = statistics.mean(r["tokens_per_s"] for r in runs["in-process"])
-                print(f"{n:>7} {'ratio':>10} {served:>9.1f} / {local:.1f} tokens/s (means) = {served / local:.2f}x",
+                served, local = medians["server"][-1], medians["in-process"][-1]
+                print(f"{n:>7} {'ratio':>10} {served:>9.1f} / {local:.1f} tokens/s (medians) = {served / local:.2f}x",
                       flush=True)
     finally:
         if server is not None:
             server.close()
+    if args.plot:
+        from .._svg import svg_plot
+
+        series = {("slotinfer serve" if server else args.url): medians["server"]}
+        if len(medians["in-process"]) == len(counts):
+            series["in-process Inferencer"] = medians["in-process"]
+        with open(args.plot, "w") as f:
+            f.write(svg_plot(counts, series, f"streaming clients, {plen}-token prompts, {gen} new tokens",
+                             "concurrent clients", "output tokens/s (median)"))
+        print(f"plot: {args.plot}")
     return 0
 
 
