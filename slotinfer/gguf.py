@@ -22,7 +22,7 @@ import numpy as np
 
 from ._files import open_regular
 from .errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError, WeightError
-from .models import parse_config
+from .models import expected_shapes, parse_config
 from .models.gguf_config import architecture, config_dict, gguf_module, module_name
 
 # GGML tensor types: id -> (name, elements per block, bytes per block); None: not readable here
@@ -246,8 +246,6 @@ def _unpermute(w: mx.array, heads: int) -> mx.array:
 
 
 def _check_shapes(cfg, arch, tensors: list[TensorInfo], hf_names: dict, source: str) -> None:
-    from .loader import expected_shapes
-
     expected = expected_shapes(cfg)
     have = {hf_names[t.name]: t for t in tensors}
     dims = (f"hidden {cfg.hidden_size}, {cfg.num_heads} heads of {cfg.head_dim}, {cfg.num_kv_heads} kv heads, "

@@ -25,7 +25,7 @@ from . import device, gguf, hub, settings
 from ._files import check_regular, open_regular, read_json
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
 from .model import Model
-from .models import ModelConfig, Transformer, parse_config
+from .models import ModelConfig, Transformer, expected_shapes, parse_config
 from .tokenizer import Tokenizer
 
 _DROP_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
@@ -365,35 +365,6 @@ def _quant_int(spec: dict, key: str, module: str, allowed: tuple) -> int:
 def _stored_dtype(weights: dict):
     floats = [w.dtype for n, w in weights.items() if mx.issubdtype(w.dtype, mx.floating)]
     return max(set(floats), key=floats.count) if floats else mx.float32
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Every tensor a checkpoint of this config holds, with its dense shape."""
-    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, H)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        layer = {
-            "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-            "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-            "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
-            "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
-        }
-        if cfg.attn_bias:
-            layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
-        if cfg.o_bias:
-            layer["self_attn.o_proj.bias"] = (H,)
-        if cfg.mlp_bias:
-            layer |= {"mlp.gate_proj.bias": (I,), "mlp.up_proj.bias": (I,), "mlp.down_proj.bias": (H,)}
-        if cfg.qk_norm:
-            layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
-        if cfg.sandwich_norms:
-            layer |= {"pre_feedforward_layernorm.weight": (H,), "post_feedforward_layernorm.weight": (H,)}
-        shapes |= {p + k: v for k, v in layer.items()}
-    return shapes
 
 
 def check_layer_count(cfg: ModelConfig, names, source: str = "config.json's num_hidden_layers") -> None:
