@@ -16,18 +16,9 @@ from slotinfer import request
 from slotinfer.errors import InvalidRequestError, PromptTooLongError
 from slotinfer.sampling import SamplingParams
 from test_cli import _cli
+from test_serve_cli import folder, model  # noqa: F401 - the qwen3 folder and its model, as fixtures
 
 GOOD = dict(max_tokens=12, ignore_eos=True)  # the greedy request running beside a bad one
-
-
-@pytest.fixture(scope="module")
-def folder(model_dir):
-    return str(model_dir("qwen3"))
-
-
-@pytest.fixture(scope="module")
-def model(folder):
-    return slotinfer.load(folder)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +51,8 @@ def test_top_k_past_the_vocabulary_is_refused_at_submit(model, inf, solo, top_k)
 def test_top_k_up_to_the_vocabulary_runs(model, inf):
     vocab = model.config.vocab_size
     for k in (vocab - 1, vocab):
-        got = inf.generate("hi", max_tokens=4, temperature=1.0, top_k=k, seed=3, ignore_eos=True)
-        assert got.tokens == model.generate("hi", max_tokens=4, temperature=1.0, top_k=k, seed=3, ignore_eos=True).tokens
+        kw = dict(max_tokens=4, temperature=1.0, top_k=k, seed=3, ignore_eos=True)
+        assert inf.generate("hi", **kw).tokens == model.generate("hi", **kw).tokens
 
 
 def _closed_loop():
@@ -92,7 +83,8 @@ def test_an_unknown_keyword_is_named_with_its_close_match(model, inf):
     (dict(stop_token_ids="abc"), "stop_token_ids"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(stop_token_ids=[10**9]), "stop_token_ids"), (dict(max_tokens=10**18), "max_tokens"),
     (dict(max_tokens=3.0), "max_tokens"), (dict(top_k=2**31), "top_k"), (dict(temperature=math.nan), "temperature"),
-    (dict(top_p=math.inf), "top_p"), (dict(min_p=True), "min_p"), (dict(repetition_penalty=10**400), "repetition_penalty"),
+    (dict(top_p=math.inf), "top_p"), (dict(min_p=True), "min_p"),
+    (dict(repetition_penalty=10**400), "repetition_penalty"),
     (dict(seed=2**32), "seed"), (dict(seed=np.float64(1)), "seed"), (dict(stop=[""]), "stop"),
     (dict(stop=["x"] * 1000), "stop"), (dict(stop=b"x"), "stop"), (dict(ignore_eos="yes"), "ignore_eos"),
     (dict(skip_special_tokens=1), "skip_special_tokens"),
