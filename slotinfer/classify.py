@@ -67,6 +67,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from . import request
 from .cache import window_mask
 from .errors import InvalidRequestError, PromptTooLongError
 from .sampling import SamplingParams, sample
@@ -385,7 +386,9 @@ def classify(model, prompts, *, return_logits: bool = False, labels=None, label_
     as each prompt finishes (batches finish longest prompts first), e.g. to stream
     results to a file.  See the module docstring for the exact semantics.
     """
-    params = SamplingParams(temperature, top_k, top_p, min_p, 1.0, seed)
+    p = request.check(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+                      model.config.vocab_size, names=request.SAMPLING, what="classify")
+    params = SamplingParams(*(p[k] for k in request.SAMPLING))
     if token_budget is None:
         token_budget = default_token_budget()
     if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:

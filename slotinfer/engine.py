@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from . import request
 from .decoder import Decoder, RowParams
 from .encoder import Encoder
-from .errors import EngineError, InvalidRequestError, PromptTooLongError
+from .errors import EngineError, PromptTooLongError
 from .handle import Handle
 from .item_processor import Item, ItemProcessor, owned_by_request
-from .model import check_max_tokens, check_stop, check_token_ids
 from .sampling import SamplingParams, top_n_computed
 from .slots import SlotTable
 
@@ -108,45 +108,33 @@ class Engine:
 
     # -- requests -------------------------------------------------------------
 
-    def make_item(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed=None,
-                  stop=None, stop_token_ids=(), ignore_eos: bool = False, logprobs: bool = False,
-                  top_logprobs: int = 0, on_token=None, loop=None, skip_special_tokens: bool = True) -> Item:
-        """Validate a request (raising a typed error) and make its record.
+    def make_item(self, prompt, **params) -> Item:
+        """Check a request (raising a typed error) and make its record.
 
-        ``skip_special_tokens`` (default) keeps tokens such as ``<|im_end|>`` out of the text.
+        ``params`` are those of :data:`slotinfer.request.ENGINE` (see the table in
+        :mod:`slotinfer.request`); a parameter's own error comes before the prompt's.
         """
         model = self.model
+        vocab = model.config.vocab_size
+        p = request.check(params, vocab)
         ids = model.encode_prompt(prompt)
-        check_max_tokens(max_tokens)
-        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        stops = check_stop(stop)
-        budget = min(max_tokens, model.context_length - len(ids))
+        budget = min(p["max_tokens"], model.context_length - len(ids))
         if len(ids) + budget > self.max_len:
             raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: {len(ids) + budget} > the "
+                f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: {len(ids) + budget} > the "
                 f"engine's max_len {self.max_len}; shorten the prompt, lower max_tokens or raise max_len"
             )
-        vocab = model.config.vocab_size
-        if not isinstance(logprobs, bool):
-            raise InvalidRequestError(f"logprobs must be True or False, got {logprobs!r}")
-        if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= vocab:
-            raise InvalidRequestError(f"top_logprobs must be an int in [0, {vocab}] (the vocabulary size), "
-                                      f"got {top_logprobs!r}")
-        if not isinstance(skip_special_tokens, bool):
-            raise InvalidRequestError(f"skip_special_tokens must be True or False, got {skip_special_tokens!r}")
-        if on_token is not None and not callable(on_token):
-            raise InvalidRequestError(f"on_token must be a callable taking a StreamEvent, or None; got {on_token!r}")
-        enders = check_token_ids(stop_token_ids, vocab) | (frozenset() if ignore_eos else model.eos_ids)
-        seed = params.seed if params.seed is not None else random.getrandbits(32)
+        sampling = SamplingParams(*(p[k] for k in request.SAMPLING))
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
+        top = p["top_logprobs"]
         self.counters["submitted"] += 1
         rid = next(_ids)
         return Item(
-            id=rid, prompt=ids, params=params, seed=seed, max_tokens=budget, stops=stops,
-            enders=enders, handle=Handle(rid, loop),
-            detok=model.tokenizer.detokenizer(skip_special_tokens=skip_special_tokens),
-            top_logprobs=(top_logprobs if top_logprobs else 0) if (logprobs or top_logprobs) else -1,
-            on_token=on_token,
+            id=rid, prompt=ids, params=sampling, seed=seed, max_tokens=budget, stops=p["stop"],
+            enders=p["stop_token_ids"] | (frozenset() if p["ignore_eos"] else model.eos_ids),
+            handle=Handle(rid, p["loop"]),
+            detok=model.tokenizer.detokenizer(skip_special_tokens=p["skip_special_tokens"]),
+            top_logprobs=top if (p["logprobs"] or top) else -1, on_token=p["on_token"],
         )
 
     def add(self, item: Item):

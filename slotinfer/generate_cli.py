@@ -36,25 +36,23 @@ def add_parser(sub):
 
 def check(parser, args):
     """The run-wide values, checked before the model loads: a usage error (exit 2), not one error per prompt."""
+    from . import request
     from .errors import InvalidRequestError
-    from .model import check_max_tokens, check_stop
-    from .sampling import SamplingParams
 
-    checks = [("--max-tokens", lambda: check_max_tokens(args.max_tokens)),
-              ("--temperature", lambda: SamplingParams(temperature=args.temperature)),
-              ("--top-p", lambda: SamplingParams(top_p=args.top_p)),
-              ("--top-k", lambda: SamplingParams(top_k=args.top_k)),
-              ("--min-p", lambda: SamplingParams(min_p=args.min_p)),
-              ("--repetition-penalty", lambda: SamplingParams(repetition_penalty=args.repetition_penalty)),
-              ("--seed", lambda: SamplingParams(seed=args.seed)),
-              ("--stop", lambda: check_stop(args.stop))]
-    if args.logprobs is not None and args.logprobs < 0:
-        parser.error(f"argument --logprobs: must be >= 0, got {args.logprobs}")
-    for flag, fn in checks:
-        try:
-            fn()
-        except InvalidRequestError as e:
-            parser.error(f"argument {flag}: {e}")
+    try:
+        request.check({**_params(args), "seed": args.seed})
+    except InvalidRequestError as e:
+        flag = "--logprobs" if e.param == "top_logprobs" else "--" + e.param.replace("_", "-")
+        parser.error(f"argument {flag}: {e}")
+
+
+def _params(args) -> dict:
+    """The generation parameters every prompt of the run shares (each draws with a seed of its own)."""
+    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop)
+    if args.logprobs is not None:
+        params.update(logprobs=True, top_logprobs=args.logprobs)
+    return params
 
 
 def run(args) -> int:
@@ -63,10 +61,7 @@ def run(args) -> int:
     model = slotinfer.load(args.model)
     texts = args.prompts or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
     chat = args.chat or args.system is not None
-    params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop)
-    if args.logprobs is not None:
-        params.update(logprobs=True, top_logprobs=args.logprobs)
+    params = _params(args)
     prompts, failed = [], {}
     for i, text in enumerate(texts):
         try:

@@ -20,10 +20,12 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from . import request
 from .engine import Engine
 from .errors import EngineClosed, EngineError, InvalidRequestError, QueueFull
 from .handle import Handle
@@ -194,7 +196,7 @@ class Inferencer:
         with finish reason ``"error"`` and the others go on.
         """
         self._check_open()
-        item = self.engine.make_item(self.model.chat_prompt(prompt, messages), **params)
+        item, block, timeout = self._make_item(prompt, messages, params, block, timeout)
         try:
             self._enqueue(item, block, timeout)
         except BaseException:
@@ -237,10 +239,9 @@ class Inferencer:
             handle.cancel()  # a no-op once it ended
 
     async def _submit_async(self, prompt, params) -> Handle:
-        block, timeout = params.pop("block", True), params.pop("timeout", None)
+        block, timeout, messages = params.pop("block", True), params.pop("timeout", None), params.pop("messages", None)
         self._check_open()
-        prompt = self.model.chat_prompt(prompt, params.pop("messages", None))
-        item = self.engine.make_item(prompt, loop=asyncio.get_running_loop(), **params)
+        item, block, timeout = self._make_item(prompt, messages, params, block, timeout, asyncio.get_running_loop())
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.001
         try:
@@ -256,6 +257,16 @@ class Inferencer:
         except BaseException:  # the queue stayed full, it closed, or the awaiting task was cancelled
             self._count_refused()
             raise
+
+    def _make_item(self, prompt, messages, params: dict, block, timeout, loop=None):
+        """The request's item, and its ``block`` and ``timeout`` checked; a parameter's own error
+        comes before the prompt's (an async caller's ``loop`` is its running one)."""
+        p = request.check({**params, "block": block, "timeout": timeout}, self.model.config.vocab_size,
+                          names=request.SUBMIT)
+        if loop is not None:
+            params = {**params, "loop": loop}
+        item = self.engine.make_item(self.model.chat_prompt(prompt, messages), **params)
+        return item, p["block"], p["timeout"]
 
     @property
     def closed(self) -> bool:
@@ -458,13 +469,19 @@ def _request_id(req, position: int):
 
 def _request_parts(req) -> tuple[object, dict]:
     if isinstance(req, Request):
-        return req.prompt, dict(req.params)
-    if isinstance(req, dict):
+        if not isinstance(req.params, Mapping):
+            raise InvalidRequestError(f"Request.params must be a dict of parameters (or left out), "
+                                      f"got {request.short(req.params)}")
+        prompt, params = req.prompt, dict(req.params)
+    elif isinstance(req, dict):
         if "prompt" not in req:
             raise InvalidRequestError(f"a request dict needs a 'prompt' key (and optionally 'id' and parameters); "
-                                      f"got keys {sorted(map(str, req))}")
-        return req["prompt"], {k: v for k, v in req.items() if k not in ("prompt", "id")}
-    return req, {}
+                                      f"got keys {request.some(list(req))}")
+        prompt, params = req["prompt"], {k: v for k, v in req.items() if k not in ("prompt", "id")}
+    else:
+        return req, {}
+    request.check_names(params, (*request.SUBMIT, "messages"))  # before they become keywords of submit
+    return prompt, params
 
 
 def _outcome(request_id, future) -> Completion:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import device
+from . import device, request
 from .cache import SequenceCache
 from .errors import InvalidRequestError, PromptTooLongError
 from .models import ModelConfig, Transformer
@@ -120,23 +120,23 @@ class Model:
 
     # -- the reference path ----------------------------------------------------
 
-    def generate(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 seed: int | None = None, stop=None, stop_token_ids=(), ignore_eos: bool = False,
-                 skip_special_tokens: bool = True) -> Completion:
+    def generate(self, prompt, **params) -> Completion:
         """Generate for one prompt, alone: the simple path the batched engine is tested against.
 
-        The text leaves out special tokens such as ``<|im_end|>`` unless ``skip_special_tokens=False``.
+        ``params``: ``max_tokens`` (256), ``temperature`` (0: greedy), ``top_k``, ``top_p``,
+        ``min_p``, ``repetition_penalty``, ``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``
+        and ``skip_special_tokens`` (True: the text leaves out special tokens such as
+        ``<|im_end|>``); :mod:`slotinfer.request` has the table of their values and defaults.
 
             >>> model.generate("Hello", max_tokens=16, temperature=0.7, seed=1).text
         """
+        c = request.check(params, self.config.vocab_size, names=request.GENERATE, what="Model.generate")
         ids = self.encode_prompt(prompt)
-        check_max_tokens(max_tokens)
-        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        stops = check_stop(stop)
+        params = SamplingParams(*(c[k] for k in request.SAMPLING))
+        stops = c["stop"]
         seed = params.seed if params.seed is not None else random.getrandbits(32)
-        enders = set(stop_token_ids) | (set() if ignore_eos else set(self.eos_ids))
-        budget = min(max_tokens, self.context_length - len(ids))
+        enders = c["stop_token_ids"] | (frozenset() if c["ignore_eos"] else self.eos_ids)
+        budget = min(c["max_tokens"], self.context_length - len(ids))
 
         cache = SequenceCache(self.config.num_layers)
         h = self.net(mx.array([ids]), cache, layer_by_layer(cache, len(ids), device.prefill_by_layer()))
@@ -146,7 +146,7 @@ class Model:
         row = lambda v, dt=mx.float32: mx.array([v], dtype=dt)  # noqa: E731
         p = dict(temperature=row(params.temperature), top_k=row(params.top_k, mx.int32), top_p=row(params.top_p),
                  min_p=row(params.min_p), seeds=row(seed, mx.uint32))
-        detok = self.tokenizer.detokenizer(skip_special_tokens=bool(skip_special_tokens))
+        detok = self.tokenizer.detokenizer(skip_special_tokens=c["skip_special_tokens"])
         out, text, reason = [], "", "length"
         for step in range(budget):
             logits = self.net.head(h[:, -1, :])
@@ -171,34 +171,6 @@ class Model:
         return Completion(out, text, reason, prompt_tokens=len(ids), seed=seed)
 
 
-def check_max_tokens(max_tokens):
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-
-
-def check_stop(stop) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    try:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    except TypeError:
-        stops = (stop,)
-    if not all(isinstance(s, str) and s for s in stops):
-        raise InvalidRequestError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    return stops
-
-
-def check_token_ids(ids, vocab: int) -> frozenset[int]:
-    """``stop_token_ids``: an iterable of token ids of the model's vocabulary."""
-    try:
-        got = tuple(ids)
-    except TypeError:
-        got = None
-    if got is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in got):
-        raise InvalidRequestError(f"stop_token_ids must be a list of token ids in [0, {vocab}), got {ids!r}")
-    return frozenset(got)
-
-
 def find_stop(text: str, stops) -> int | None:
     """Index where the earliest stop string begins in ``text``, or None."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
@@ -211,17 +183,19 @@ def batch_generate(model: Model, prompts, *, slots: int = 32, prefill_tokens: in
     from .types import BatchResult
 
     prompts = list(prompts)
+    try:  # a parameter's own error comes first: every prompt ends with it
+        max_tokens = request.check(params, model.config.vocab_size)["max_tokens"]
+    except InvalidRequestError as e:
+        return [BatchResult([], "", "error", e) for _ in prompts]
     results: list = [None] * len(prompts)
     encoded = {}
-    max_tokens = params.get("max_tokens", 256)
     for i, p in enumerate(prompts):
         try:
             encoded[i] = model.encode_prompt(p)
         except Exception as e:
             results[i] = BatchResult([], "", "error", e)
     if encoded:
-        budget = max_tokens if isinstance(max_tokens, int) else 1
-        max_len = max(len(ids) + min(budget, model.context_length - len(ids)) for ids in encoded.values())
+        max_len = max(len(ids) + min(max_tokens, model.context_length - len(ids)) for ids in encoded.values())
         engine = Engine(model, slots=min(slots, len(encoded)), max_len=max(max_len, 2), prefill_tokens=prefill_tokens)
         handles = {}
         for i, ids in encoded.items():

@@ -257,15 +257,9 @@ def _check_keywords(fn, taken: tuple, given: dict, what: str):
 
 def _check_params(params: dict):
     """Generation parameters as :meth:`Engine.make_item` checks them, without making a request."""
-    from .engine import Engine
-    from .model import check_max_tokens, check_stop
-    from .sampling import SamplingParams
+    from .request import ENGINE, check
 
-    _check_keywords(Engine.make_item, ("self", "prompt", "on_token", "loop"), params, "generation")
-    check_max_tokens(params.get("max_tokens", 256))
-    SamplingParams(*(params.get(k, d) for k, d in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0),
-                                                   ("min_p", 0.0), ("repetition_penalty", 1.0), ("seed", None))))
-    check_stop(params.get("stop"))
+    check(params, names=tuple(n for n in ENGINE if n not in ("on_token", "loop")), what="generation")
 
 
 def _worker_id() -> str:

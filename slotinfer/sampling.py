@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .errors import InvalidRequestError
+from .request import SAMPLING, check_value
 
 _M1, _M2, _GOLD = 0x7FEB352D, 0x846CA68B, 0x9E3779B9
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling parameters (validated on construction)."""
+    """Per-request sampling parameters, checked on construction by :mod:`slotinfer.request`'s table."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -30,29 +30,12 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        def bad(name, value, rule):
-            raise InvalidRequestError(f"invalid sampling parameter {name}={value!r}: {rule}")
-
-        if not _is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", self.temperature, "must be a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            bad("top_k", self.top_k, "must be an int >= 0 (0 disables it)")
-        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "must be in (0, 1] (1 disables it)")
-        if not _is_num(self.min_p) or not 0 <= self.min_p < 1:
-            bad("min_p", self.min_p, "must be in [0, 1) (0 disables it)")
-        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", self.repetition_penalty, "must be a number > 0 (1 disables it)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**32):
-            bad("seed", self.seed, "must be None or an int in [0, 2**32)")
+        for name in SAMPLING:  # the request table's rules; numpy scalars become Python numbers
+            object.__setattr__(self, name, check_value(name, getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
-
-
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
 
 def _mix(x):

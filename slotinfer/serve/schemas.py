@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import request
 from ..errors import InvalidRequestError
-from ..model import check_stop
-from ..sampling import SamplingParams
 from .errors import bad_param
 
 MAX_N = 64  # choices per request: each is a slot's worth of work
@@ -64,17 +63,24 @@ def _bool(body, name, default=False):
     return _get(body, name, (bool,), "true or false", default)
 
 
-def _sampling(body, params: dict):
-    """temperature, top_p, top_k, min_p, repetition_penalty, seed: the engine's own rules, named."""
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"):
+def _passed_on(body, params: dict):
+    """The parameters Inferencer.submit takes as they are, checked by its own table
+    (:mod:`slotinfer.request`) and refused here by name; the vocabulary bounds wait for submit."""
+    for name in (*request.SAMPLING, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens"):
         if body.get(name) is None:
             continue
-        try:
-            SamplingParams(**{name: body[name]})
-        except InvalidRequestError as e:
-            raise bad_param(name, str(e)) from None
-        params[name] = body[name]
+        params[name] = _checked(name, body[name])
+        if name == "stop":
+            params[name] = list(params[name])
     params.setdefault("temperature", 1.0)  # OpenAI's default
+
+
+def _checked(name, value, key=None):
+    try:
+        return request.check_value(name, value)
+    except InvalidRequestError as e:
+        key = key or name
+        raise bad_param(key, str(e) if key == name else f"'{key}': {e}") from None
 
 
 def _refused(body):
@@ -104,19 +110,9 @@ def _common(body, chat: bool, prompts) -> GenerateRequest:
         raise bad_param("stream_options", "'stream_options' is only allowed with stream: true")
     req.include_usage = _get(opts, "include_usage", (bool,), "true or false", False)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    req.max_tokens = _int(body, key, 1, 2**31 - 1)
-    params = req.params
-    _sampling(body, params)
-    if body.get("stop") is not None:
-        try:
-            params["stop"] = list(check_stop(body["stop"]))
-        except InvalidRequestError as e:
-            raise bad_param("stop", str(e)) from None
-    params["ignore_eos"] = _bool(body, "ignore_eos")
-    params["skip_special_tokens"] = _bool(body, "skip_special_tokens", True)
-    ids = _get(body, "stop_token_ids", (list,), "a list of token ids", None)
-    if ids is not None:
-        params["stop_token_ids"] = ids
+    if body.get(key) is not None:
+        req.max_tokens = _checked("max_tokens", body[key], key)
+    _passed_on(body, req.params)
     return req
 
 
