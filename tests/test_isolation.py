@@ -103,13 +103,13 @@ def test_a_done_callback_raising_a_base_exception_fails_no_one_else(models):
 def test_delivery_to_a_closed_event_loop_fails_no_one_else(models):
     m = models["qwen3"]
     want = m.generate(OTHER, max_tokens=10, ignore_eos=True).tokens
-    loop = asyncio.new_event_loop()
-    loop.close()
+    loop = asyncio.new_event_loop()  # open at submit (a closed one is refused there), closed before delivery
 
     def run():
         with slotinfer.Inferencer(m, slots=2, max_len=128) as inf:
             bystander = inf.submit(OTHER, max_tokens=10, ignore_eos=True)
             orphan = inf.submit(PROMPT, max_tokens=6, ignore_eos=True, loop=loop)
+            loop.close()
             assert len(orphan.result(timeout=60).tokens) == 6
             assert bystander.result(timeout=60).tokens == want
 
