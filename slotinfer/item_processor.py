@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from .errors import EngineError
 from .handle import Handle, StreamEvent
-from .model import find_stop
+from .stops import find_stop
 from .sampling import SamplingParams
 from .types import Completion
 

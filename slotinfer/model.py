@@ -13,6 +13,7 @@ from .errors import InvalidRequestError, PromptTooLongError
 from .models import ModelConfig, Transformer
 from .models.transformer import layer_by_layer
 from .sampling import SamplingParams, penalize, sample
+from .stops import find_stop
 from .types import Completion
 
 
@@ -104,6 +105,8 @@ class Model:
             >>> for r in model.batch_generate(["Hi", "Bonjour"], max_tokens=16):
             ...     print(r.finish_reason, r.text, r.error)
         """
+        from .batch import batch_generate  # above the engine, which sits above the model
+
         return batch_generate(self, prompts, **params)
 
     def classify(self, prompts, **kw) -> list:
@@ -169,49 +172,3 @@ class Model:
         if cut is not None:
             text, reason = text[:cut], "stop"
         return Completion(out, text, reason, prompt_tokens=len(ids), seed=seed)
-
-
-def find_stop(text: str, stops) -> int | None:
-    """Index where the earliest stop string begins in ``text``, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def batch_generate(model: Model, prompts, *, slots: int = 32, prefill_tokens: int = 512, **params):
-    """Generate for many prompts on the slot engine; one bad prompt gets its own error."""
-    from .engine import Engine
-    from .types import BatchResult
-
-    prompts = list(prompts)
-    try:  # a parameter's own error comes first: every prompt ends with it
-        max_tokens = request.check(params, model.config.vocab_size)["max_tokens"]
-    except InvalidRequestError as e:
-        return [BatchResult([], "", "error", e) for _ in prompts]
-    results: list = [None] * len(prompts)
-    encoded = {}
-    for i, p in enumerate(prompts):
-        try:
-            encoded[i] = model.encode_prompt(p)
-        except Exception as e:
-            results[i] = BatchResult([], "", "error", e)
-    if encoded:
-        max_len = max(len(ids) + min(max_tokens, model.context_length - len(ids)) for ids in encoded.values())
-        engine = Engine(model, slots=min(slots, len(encoded)), max_len=max(max_len, 2), prefill_tokens=prefill_tokens)
-        handles = {}
-        for i, ids in encoded.items():
-            try:
-                item = engine.make_item(ids, **params)
-            except Exception as e:
-                results[i] = BatchResult([], "", "error", e)
-                continue
-            engine.add(item)
-            handles[i] = item.handle
-        engine.run_until_done()  # a device failure ends every prompt still running with the cause
-        for i, h in handles.items():
-            try:
-                c = h.result(0)
-                results[i] = BatchResult(c.tokens, c.text, c.finish_reason)
-            except Exception as e:
-                results[i] = BatchResult([], "", "error", e)
-    return results
-
