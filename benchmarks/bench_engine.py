@@ -21,7 +21,7 @@ import time
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
 from slotinfer.cpu.blas import set_own_products
-from slotinfer.bench import bench_model_path, engine_tokens_per_s, prompts_of
+from slotinfer.cli.bench import bench_model_path, engine_tokens_per_s, prompts_of
 
 
 def mlx_lm_tokens_per_s(lm_model, prompts, gen_tokens):
@@ -57,7 +57,7 @@ def main():
     if args.smollm2:
         from export_hf import export
         from slotinfer import default_model
-        from slotinfer.bench import CACHE
+        from slotinfer.cli.bench import CACHE
         if default_model.path() is None:
             raise SystemExit(f"the default model is not installed: {default_model.INSTALL}")
         model = slotinfer.load(default_model.path())

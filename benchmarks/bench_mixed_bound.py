@@ -27,10 +27,10 @@ import numpy as np
 
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
-from slotinfer.bench import MIXED_MAX_LEN as MAX_LEN
-from slotinfer.bench import mixed_requests, prefill_alone_s
+from slotinfer.cli.bench import MIXED_MAX_LEN as MAX_LEN
+from slotinfer.cli.bench import mixed_requests, prefill_alone_s
 from slotinfer.decoder import SPAN_BUCKET
-from slotinfer.demo import demo_model_path
+from slotinfer.cli.demo import demo_model_path
 from slotinfer.engine import Engine
 
 from schedules import diluted_ratio, schedule_spans, schedule_steps  # benchmarks/, beside this script

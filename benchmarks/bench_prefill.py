@@ -28,7 +28,7 @@ import time
 
 import slotinfer  # noqa: F401  (first: installs the BLAS before mlx.core loads)
 import mlx.core as mx
-from slotinfer.demo import demo_model_path
+from slotinfer.cli.demo import demo_model_path
 from slotinfer.device import prefill_by_layer
 from slotinfer.engine import Engine
 from slotinfer.cpu import fastmath

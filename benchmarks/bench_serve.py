@@ -4,14 +4,14 @@ OpenAI-compatible ``--url``) against the in-process Inferencer on the same workl
     python benchmarks/bench_serve.py --clients 1,8,32            # same as: slotinfer bench --serve
     python benchmarks/bench_serve.py --url http://127.0.0.1:8080 --no-in-process   # another server
 
-See slotinfer/serve/bench.py for the workload and docs/serve.md for the figures.
+See slotinfer/cli/bench_serve.py for the workload and docs/serve.md for the figures.
 """
 
 import argparse
 import sys
 
-from slotinfer.bench import add_arguments
-from slotinfer.serve.bench import run
+from slotinfer.cli.bench import add_arguments
+from slotinfer.cli.bench_serve import run
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

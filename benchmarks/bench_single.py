@@ -25,7 +25,7 @@ CONFIGS = {
 CHILD = """
 import json, sys, time
 import slotinfer
-from slotinfer.bench import bench_model_path
+from slotinfer.cli.bench import bench_model_path
 m = slotinfer.load(bench_model_path(), dtype={dtype!r})
 m.generate([5, 6, 7, 8], max_tokens=2, ignore_eos=True)  # warm up
 out = []

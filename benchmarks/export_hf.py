@@ -15,7 +15,7 @@ from pathlib import Path
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
 from slotinfer import default_model, gguf
-from slotinfer.bench import CACHE
+from slotinfer.cli.bench import CACHE
 from slotinfer.tokenizer import Tokenizer
 
 

@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slotinfer.bench import alternating_order
+from slotinfer.cli.bench import alternating_order
 
 
 @given(st.integers(1, 20))

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import slotinfer
 from slotinfer.cache import SequenceCache
 from slotinfer.classify import BatchContext, classify, encode_labels, plan_batches
-from slotinfer.classify_cli import done_ids, main, parse_template
+from slotinfer.cli.classify import main
+from slotinfer.cli.jobs import done_ids, parse_template
 from slotinfer.errors import InvalidRequestError, PromptTooLongError
 from slotinfer.testing import FAMILIES, make_tiny_model
 

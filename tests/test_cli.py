@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from slotinfer.bench import add_arguments
-from slotinfer.cli import main
+from slotinfer.cli.bench import add_arguments
+from slotinfer.cli.main import main
 
 
 def _cli(argv, capsys):

@@ -12,8 +12,8 @@ import pytest
 
 import slotinfer
 from slotinfer import default_model
-from slotinfer.cli import main
-from slotinfer.demo import BATCHED, REVIEWS, SENTIMENTS, STREAMED
+from slotinfer.cli.main import main
+from slotinfer.cli.demo import BATCHED, REVIEWS, SENTIMENTS, STREAMED
 
 SECTIONS = ("== chat prompts streamed", "== batch_generate", "== classify")
 # llama.cpp's GGUF loading lives in slotinfer/gguf*; the real model needs it

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer.bench import raising_callback
+from slotinfer.cli.bench import raising_callback
 from slotinfer.errors import EngineClosed, EngineError, QueueFull
 
 PROMPTS = ["Hello there, how are you today?", "The quick brown fox jumps over the lazy dog.", "x",

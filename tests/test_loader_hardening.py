@@ -3,7 +3,6 @@ config it has not checked against the tensors, never blocks on a file that is no
 values that would load as garbage, each with a typed error that names the key or the file."""
 
 import json
-import math
 import os
 import resource
 import shutil

@@ -16,7 +16,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 import slotinfer  # noqa: E402
 import slotinfer.ray as sr  # noqa: E402
-from slotinfer.cli import main  # noqa: E402
+from slotinfer.cli.main import main  # noqa: E402
 from slotinfer.testing import make_tiny_model  # noqa: E402
 
 LABELS = ["yes", "no", "maybe"]

@@ -196,7 +196,7 @@ def test_signal_shuts_down_gracefully_with_exit_0(model_dir, sig):
 
 
 def test_bench_serve_drives_the_server_and_the_inferencer_alike(model_dir, capsys, tmp_path):
-    from slotinfer.cli import main
+    from slotinfer.cli.main import main
 
     plot = tmp_path / "serve.svg"
     assert main(["bench", "--serve", "--model", str(model_dir("qwen3")), "--clients", "3", "--requests", "2",
@@ -210,7 +210,7 @@ def test_bench_serve_drives_the_server_and_the_inferencer_alike(model_dir, capsy
 
 
 def test_bench_serve_counts_every_token_on_both_sides(model):
-    from slotinfer.serve.bench import drive_http, drive_inferencer, workload
+    from slotinfer.cli.bench_serve import drive_http, drive_inferencer, workload
 
     prompts = workload(3, 2, 8, model.tokenizer.vocab_size)
     with slotinfer.Inferencer(model, slots=3, max_len=32) as inf, serving(build_app(inf)) as url:

@@ -18,9 +18,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from slotinfer import default_model
 from slotinfer import settings as slot_settings
-from slotinfer.classify_cli import main as classify_main
-from slotinfer.classify_cli import UsageError, parse_template
-from slotinfer.cli import main as cli_main
+from slotinfer.cli.classify import main as classify_main
+from slotinfer.cli.jobs import UsageError, parse_template
+from slotinfer.cli.main import main as cli_main
 from slotinfer.errors import InvalidRequestError, TemplateError, TokenizerError
 from slotinfer.templates import _raise_from_template, _strftime_now, _tojson, compile_template, render
 from slotinfer.templates import sandboxed_environment

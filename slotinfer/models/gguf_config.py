@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, UnsupportedModelError

@@ -27,7 +27,7 @@ SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9
 
 
 def add_arguments(p):
-    from ..cli import positive_int
+    from .common import positive_int
 
     p.add_argument("--url", help="an OpenAI-compatible server to drive (default: start slotinfer serve)")
     p.add_argument("--served-model", default=None, help="the 'model' field sent to --url")
@@ -45,7 +45,7 @@ def add_arguments(p):
 
 def bench_model(shape: str | None):
     """The model folder or file to serve: the default model unless a random ``shape`` is asked for."""
-    from ..bench import CACHE, bench_model_path
+    from .bench_common import CACHE, bench_model_path
     from ..default_model import path as default_path
 
     if shape is None and default_path() is not None:
@@ -224,7 +224,7 @@ def run(args) -> int:
 
 def alternating(rounds: int) -> list[str]:
     """server, in-process, then in-process, server, ...: a machine that drifts during the runs moves both means alike."""
-    from ..bench import alternating_order
+    from .bench_common import alternating_order
 
     return [{"continuous": "server", "static": "in-process"}[m] for m in alternating_order(rounds)]
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
 from pathlib import Path
 
 import slotinfer
 
-from . import default_model
+from .. import default_model, settings
 
-CACHE = Path(os.environ.get("SLOTINFER_CACHE", Path.home() / ".cache" / "slotinfer"))
+CACHE = settings.cache_dir()
 DEMO_DIMS = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=64)
 STREAMED = [
@@ -56,7 +55,7 @@ def demo_model_path() -> Path:
     """The random-weight fallback model, built once in the cache."""
     path = CACHE / "demo-qwen3"
     if not (path / "config.json").exists():
-        from .testing import make_tiny_model
+        from ..testing import make_tiny_model
         print(f"building the random-weight demo model once in {path} ...", flush=True)
         make_tiny_model("qwen3", path, overrides=DEMO_DIMS)
     return path

@@ -21,12 +21,9 @@ from pathlib import Path
 
 import slotinfer
 
-from . import default_model, settings
-from .engine import Engine
-
-QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=3072, vocab_size=151936)
-CACHE = settings.cache_dir()
+from .. import default_model
+from ..engine import Engine
+from .bench_common import CACHE, alternating_order, bench_model_path
 
 
 def slot_counts(text: str) -> list[int]:
@@ -41,7 +38,7 @@ def slot_counts(text: str) -> list[int]:
 
 
 def add_arguments(p):
-    from .cli import positive_int
+    from .common import positive_int
 
     p.add_argument("--model", help="model folder, GGUF file or hub id (org/name) (default: SmolLM2-135M-Instruct "
                                    "when installed, else the random Qwen3-0.6B shape)")
@@ -64,17 +61,8 @@ def add_arguments(p):
                         f"RSS and the compiled step variants every N/10 requests")
     p.add_argument("--serve", action="store_true", help="concurrent streaming clients through the HTTP server "
                                                         "against the in-process Inferencer (docs/serve.md)")
-    from .serve.bench import add_arguments as add_serve_arguments
+    from .bench_serve import add_arguments as add_serve_arguments
     add_serve_arguments(p)
-
-
-def bench_model_path() -> Path:
-    path = CACHE / "bench" / "qwen3-0.6b-shape"
-    if not (path / "config.json").exists():
-        from .testing import make_tiny_model
-        print(f"building a random Qwen3-0.6B-shaped checkpoint (bf16, as published) in {path} ...", flush=True)
-        make_tiny_model("qwen3", path, overrides=QWEN3_06B, dtype="bfloat16")
-    return path
 
 
 def prompts_of(model, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -151,15 +139,6 @@ def mixed_workload(model, slots=16, n=128, seed=0, rounds=2):
     return res
 
 
-def alternating_order(rounds: int) -> list[str]:
-    """The modes' run order: continuous, static, then static, continuous, and so on.  Over an
-    even number of rounds both modes sit at the same mean position, so a machine that speeds
-    up or slows down steadily during the runs moves both means alike (a mode run last alone
-    read 1.37x and 1.71x on the same 512 requests, one order then the other)."""
-    pair = ("continuous", "static")
-    return [m for r in range(rounds) for m in (pair if r % 2 == 0 else pair[::-1])]
-
-
 MIXED_MAX_LEN = 1100  # a prompt and its output, each up to 512 tokens, fit with room
 
 
@@ -218,7 +197,7 @@ def rss_mib() -> float:
 def soak_model_path() -> Path:
     path = CACHE / "bench" / "tiny-qwen3"
     if not (path / "config.json").exists():
-        from .testing import make_tiny_model
+        from ..testing import make_tiny_model
         make_tiny_model("qwen3", path)
     return path
 
@@ -266,7 +245,7 @@ def soak(model, n: int, *, slots: int = 4, window: int = 32, seed: int = 0, out=
     Every accepted request must end exactly once (a result, or EngineError for a raising
     callback); a request that ends otherwise stops the soak with an AssertionError.
     """
-    from .errors import EngineError
+    from ..errors import EngineError
 
     rng = random.Random(seed)
     vocab = model.config.vocab_size
@@ -324,7 +303,7 @@ def run(args) -> int:
         soak(model, args.soak)
         return 0
     if args.serve:
-        from .serve.bench import run as run_serve
+        from .bench_serve import run as run_serve
         return run_serve(args)
     model = bench_model(args)
     print(f"model: {model}\nBLAS: {slotinfer.BLAS.name}  compute dtype: {model.dtype}")

@@ -20,24 +20,7 @@ import os
 import sys
 import time
 
-from .classify_cli import UsageError, _key, check_not_input, parse_template, resume, run_id
-from .cli import positive_int
-
-
-def add_flags(parser, *, generate: bool = False):
-    """The ``--ray`` options of ``classify`` (or ``generate``, which also gets INPUT's column and OUT)."""
-    g = parser.add_argument_group("scale-out on Ray Data (pip install 'slotinfer[ray]')")
-    g.add_argument("--ray", action="store_true", help="run the file through Ray Data actors (docs/scale-out.md)")
-    g.add_argument("--ray-address", metavar="ADDR", help="a running cluster's address (default: start a local one)")
-    g.add_argument("--actors", type=positive_int, default=1, help="engines, one per actor (default 1)")
-    g.add_argument("--batch-size", type=positive_int, default=None,
-                   help="rows per actor call (default: 256 to classify, 4 x --slots to generate)")
-    if generate:  # other options of generate may already name these
-        have = parser._option_string_actions
-        if "--output" not in have:
-            g.add_argument("--output", "-o", help="with --ray: .jsonl or .parquet output, resumable")
-        if "--column" not in have:
-            g.add_argument("--column", help="with --ray: the input column holding the prompt (default: text)")
+from .jobs import UsageError, _key, check_not_input, parse_template, resume, run_id
 
 
 def run_classify(args) -> int:
@@ -62,7 +45,7 @@ def run_generate(args) -> int:
 
 def run(command: str, args) -> int:
     """The ``--ray`` branch of ``classify`` / ``generate``; the exit codes of the single-process commands."""
-    from .errors import InvalidRequestError, SlotinferError
+    from ..errors import InvalidRequestError, SlotinferError
 
     try:
         return (run_classify if command == "classify" else run_generate)(args)

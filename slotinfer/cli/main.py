@@ -3,32 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-
-def positive_int(text: str) -> int:
-    """argparse ``type`` of a count: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def stdout_closed() -> int:
-    """stdout's reader went away (``| head``): stop writing and exit 1 without a traceback.
-
-    stdout is pointed at devnull so that the interpreter's final flush does not fail again.
-    """
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
-    return 1
+from .common import stdout_closed
 
 
 def _version() -> str:
@@ -58,18 +35,18 @@ def _main(argv=None) -> int:
     p = sub.add_parser("demo", help="generate and classify on a small built-in model (built once, cached)")
     p.add_argument("--model", help="a model folder, GGUF file or hub id (org/name) instead of SmolLM2-135M-Instruct")
 
-    from . import generate_cli
+    from . import generate as generate_cli
     gen = generate_cli.add_parser(sub)
-    from .ray_cli import add_flags
-    add_flags(gen, generate=True)
+    from .common import add_ray_flags
+    add_ray_flags(gen, generate=True)
 
     try:
-        from . import classify_cli
+        from . import classify as classify_cli
         classify_cli.add_parser(sub)
     except ImportError:
         classify_cli = None
 
-    from .serve.cli import add_parser as add_serve_parser
+    from .serve import add_parser as add_serve_parser
     add_serve_parser(sub)
 
     p = sub.add_parser("bench", help="decode throughput of the slot engine (tokens/s at several slot counts)")
@@ -84,7 +61,7 @@ def _main(argv=None) -> int:
     except BrokenPipeError:
         return stdout_closed()
     except Exception as e:  # a typed, readable error instead of a traceback
-        from .errors import SlotinferError
+        from ..errors import SlotinferError
         if isinstance(e, SlotinferError):
             print(f"slotinfer: error: {e}", file=sys.stderr)
             return 2
@@ -93,7 +70,7 @@ def _main(argv=None) -> int:
 
 def _dispatch(args, classify_cli) -> int:
     if args.command == "info":
-        from . import device
+        from .. import device
         for key, value in device.describe().items():
             print(f"{key:>16}: {value}")
         return 0
@@ -101,10 +78,10 @@ def _dispatch(args, classify_cli) -> int:
         from .demo import run
         return run(args.model)
     if args.command == "generate" and args.ray:
-        from . import ray_cli
-        return ray_cli.run("generate", args)
+        from . import ray_jobs
+        return ray_jobs.run("generate", args)
     if args.command == "generate":
-        from .generate_cli import run
+        from .generate import run
         return run(args)
     if args.command == "classify":
         return classify_cli.run(args)
@@ -112,6 +89,6 @@ def _dispatch(args, classify_cli) -> int:
         from .bench import run
         return run(args)
     if args.command == "serve":
-        from .serve.cli import run
+        from .serve import run
         return run(args)
     raise AssertionError(args.command)

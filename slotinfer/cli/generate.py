@@ -10,7 +10,7 @@ import time
 
 
 def add_parser(sub):
-    from .cli import positive_int
+    from .common import positive_int
 
     p = sub.add_parser("generate", help="generate for prompts (arguments, or one per stdin line)")
     p.add_argument("--model", required=True, help="a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)")
@@ -36,8 +36,8 @@ def add_parser(sub):
 
 def check(parser, args):
     """The run-wide values, checked before the model loads: a usage error (exit 2), not one error per prompt."""
-    from . import request
-    from .errors import InvalidRequestError
+    from .. import request
+    from ..errors import InvalidRequestError
 
     try:
         request.check({**_params(args), "seed": args.seed})
@@ -94,8 +94,8 @@ def run(args) -> int:
 
 def _open_output(path: str, source):
     """``--output`` opened for writing; never the prompts' own file (stdin redirected from it)."""
-    from .classify_cli import UsageError, check_not_input
-    from .errors import InvalidRequestError
+    from .jobs import UsageError, check_not_input
+    from ..errors import InvalidRequestError
 
     try:
         if source is not None:

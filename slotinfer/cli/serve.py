@@ -9,7 +9,7 @@ import sys
 
 
 def add_parser(sub):
-    from ..cli import positive_int
+    from .common import positive_int
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)")
     p.add_argument("model", help="a model folder, a .gguf file or a hub id (whatever slotinfer.load takes)")
@@ -33,7 +33,7 @@ def run(args) -> int:
     try:
         import uvicorn
 
-        from .app import build_app
+        from ..serve.app import build_app
     except ImportError as e:
         print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing): pip install 'slotinfer[serve]'",
               file=sys.stderr)

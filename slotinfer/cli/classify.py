@@ -32,16 +32,14 @@ import csv
 import io
 import json
 import os
-import hashlib
-import re
-import stat
 import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from .jobs import UsageError, _key, check_not_input, parse_template, resume, run_id
+
 FORMATS = ("auto", "lines", "jsonl", "csv")
-_SENTINEL = "\x00slotinfer-text\x00"
 
 
 @dataclass
@@ -52,10 +50,6 @@ class Record:
     id: object
     text: str | None = None
     error: str | None = None
-
-
-class UsageError(Exception):
-    """A problem of the whole run (bad option, unreadable file): reported and exit code 2."""
 
 
 # -- argument parsing ----------------------------------------------------------------
@@ -81,14 +75,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=None, help="padded tokens per forward (default: library's)")
     p.add_argument("--chunk", type=int, default=2048, help="sentences read and sorted together (default 2048)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    from .ray_cli import add_flags
-    add_flags(p)
+    from .common import add_ray_flags
+    add_ray_flags(p)
     p.set_defaults(func=run)
     return p
 
 
 def main(argv=None) -> int:
-    """Run ``classify`` on its own: ``python -m slotinfer.classify_cli --model ... INPUT``."""
+    """Run ``classify`` on its own: ``python -m slotinfer.cli.classify --model ... INPUT``."""
     parser = argparse.ArgumentParser(prog="slotinfer")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
@@ -196,152 +190,6 @@ def _read_csv(f, column: str) -> Iterator[Record]:
         yield _checked(start, rid, row[col] if present else None, column, present)
 
 
-def parse_template(path: str) -> tuple[str | None, str]:
-    """(prefix, suffix) of a template file: the text before and after ``{text}``."""
-    try:
-        with open(path, encoding="utf-8-sig") as fh:
-            tpl = fh.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read template {path!r}: {e}") from None
-    if tpl.endswith("\n"):
-        tpl = tpl[:-1]
-    if re.search(r"\{\{|\{%", tpl):
-        import jinja2
-
-        from .errors import InvalidRequestError
-        from .templates import compile_template, render, sandboxed_environment
-
-        try:  # the chat templates' sandbox: a template file may come from anyone
-            env = sandboxed_environment(keep_trailing_newline=True)
-            rendered = render(compile_template(env, tpl), {"text": _SENTINEL})
-        except (jinja2.TemplateError, InvalidRequestError) as e:  # InvalidRequestError: past a limit
-            raise UsageError(f"template {path!r}: {e}") from None
-        except (TypeError, KeyError, AttributeError, ValueError, IndexError, ArithmeticError) as e:
-            raise UsageError(f"template {path!r} failed to render: {e!r}") from None
-    else:
-        rendered = tpl.replace("{text}", _SENTINEL)
-    parts = rendered.split(_SENTINEL)
-    if len(parts) != 2:
-        raise UsageError(f"template {path!r} must contain {{text}} exactly once (found {len(parts) - 1})")
-    return (parts[0] or None), parts[1]
-
-
-# -- output --------------------------------------------------------------------------
-
-def _key(rid) -> str:
-    return json.dumps(rid, sort_keys=True)
-
-
-def run_id(labels: list[str], label_prefix: str, prefix: str | None, suffix: str) -> str:
-    """What decides a run's scores, as 12 hex digits: every record carries it as ``run``, so a
-    re-run with other labels, label prefix, prefix or template never mixes into the same file."""
-    blob = json.dumps([labels, label_prefix, prefix, suffix], ensure_ascii=False)
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:12]
-
-
-@dataclass
-class Resume:
-    """What an existing ``--output`` holds: the ids done, and how to go on writing it."""
-
-    done: set
-    regular: bool = True  # False: a pipe, /dev/stdout, a device: written as it is, nothing read back
-    needs_newline: bool = False  # the last record lacks its newline: write one first
-
-
-_RECORD_START = b'{"id": '  # how every record this tool writes begins (json.dumps, id first)
-
-
-def check_not_input(output: str, source) -> None:
-    """Refuse an ``--output`` that is the input itself (by inode: a symlink or hard link too).
-    ``source`` is a path, or ``"-"`` for stdin."""
-    try:
-        out = os.stat(output)
-        src = os.fstat(sys.stdin.fileno()) if source == "-" else os.stat(source)
-    except (OSError, ValueError, AttributeError):  # no output yet, no such input, no real stdin
-        return
-    if stat.S_ISREG(out.st_mode) and (out.st_dev, out.st_ino) == (src.st_dev, src.st_ino):
-        what = "standard input" if source == "-" else f"the input {source!r}"
-        raise UsageError(f"--output {output!r} is {what}: writing there would destroy what is being read; "
-                         "choose another output file")
-
-
-def done_ids(path: str, run: str | None = None, fields=("label", "error")) -> set[str]:
-    """Ids already in an output file this tool wrote; see :func:`resume`."""
-    return resume(path, run, fields).done
-
-
-def resume(path: str, run: str | None = None, fields=("label", "error")) -> Resume:
-    """Read an existing output file before appending to it, refusing any file this tool did not write.
-
-    Every line must be a JSON record with an ``id`` and one of ``fields`` (and, when ``run`` is
-    given, that ``run``); else :class:`UsageError`, and the file is left as it is.  An unfinished
-    last line (a crash mid-write: the start of a record, not a whole JSON object) is cut off.
-    A pipe or device (``/dev/stdout``) is not read: it is written as it is, nothing resumed.
-    """
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return Resume(set())
-    except OSError as e:
-        raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise UsageError(f"cannot write {path!r}: it is a directory; give a file name")
-    if not stat.S_ISREG(st.st_mode):
-        return Resume(set(), regular=False)
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as e:
-        raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    keep, needs_newline = len(data), False
-    if tail:
-        if _record(tail, run, fields) is not None:
-            lines.append(tail)
-            needs_newline = True
-        elif tail.startswith(_RECORD_START) or _RECORD_START.startswith(tail):
-            keep = len(data) - len(tail)  # a record cut short by a crash
-        else:
-            lines.append(tail)  # reported below
-    done = set()
-    for n, line in enumerate(lines, 1):
-        rid = _record(line, run, fields)
-        if rid is None:
-            raise UsageError(_foreign(path, n, line, run, fields))
-        done.add(rid)
-    if keep < len(data):
-        with open(path, "r+b") as fh:
-            fh.truncate(keep)
-    return Resume(done, needs_newline=needs_newline)
-
-
-def _record(line: bytes, run, fields):
-    """The id key of one output line, or None when it is not a record of this run."""
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or "id" not in obj or not any(f in obj for f in fields):
-        return None
-    if run is not None and obj.get("run") != run:
-        return None
-    return _key(obj["id"])
-
-
-def _foreign(path: str, n: int, line: bytes, run, fields) -> str:
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        obj = None
-    if isinstance(obj, dict) and "id" in obj and any(f in obj for f in fields):
-        return (f"--output {path!r} was written by a run with other labels, --label-prefix, --prefix or "
-                f"--template (line {n} has run {obj.get('run')!r}, this run is {run!r}); resuming would mix "
-                "their scores: choose another output file, or remove this one to start over")
-    return (f"--output {path!r} is not an output of this command (line {n} is not one of its records); "
-            "it was left as it is: choose another output file, or remove this one")
-
-
 class Progress:
     """``done/total sentences  rate/s  ETA`` on stderr (redrawn in place on a terminal)."""
 
@@ -386,11 +234,11 @@ def _clock(seconds: float) -> str:
 
 def run(args) -> int:
     """Carry out ``slotinfer classify``; returns the exit code (0 done, 1 model failed or stdout closed, 2 usage)."""
-    from .errors import InvalidRequestError, SlotinferError
+    from ..errors import InvalidRequestError, SlotinferError
 
     if getattr(args, "ray", False):
-        from . import ray_cli
-        return ray_cli.run("classify", args)
+        from . import ray_jobs
+        return ray_jobs.run("classify", args)
     try:
         return _run(args)
     except (UsageError, InvalidRequestError) as e:
@@ -400,14 +248,14 @@ def run(args) -> int:
         print(f"slotinfer classify: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # stdout's reader went away (`| head`): stop writing, quietly
-        from .cli import stdout_closed
+        from .common import stdout_closed
         return stdout_closed()
 
 
 def _run(args) -> int:
-    from . import load
-    from .classify import classify, encode_labels
-    from .errors import InvalidRequestError, SlotinferError
+    from .. import load
+    from ..classify import classify, encode_labels
+    from ..errors import InvalidRequestError, SlotinferError
 
     labels = [s.strip() for s in args.labels.split(",")]
     empty = [i + 1 for i, s in enumerate(labels) if not s]

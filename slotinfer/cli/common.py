@@ -1,0 +1,47 @@
+"""Small pieces every command uses: argparse types, a closed stdout, the ``--ray`` options."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type`` of a count: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def stdout_closed() -> int:
+    """stdout's reader went away (``| head``): stop writing and exit 1 without a traceback.
+
+    stdout is pointed at devnull so that the interpreter's final flush does not fail again.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 1
+
+
+def add_ray_flags(parser, *, generate: bool = False):
+    """The ``--ray`` options of ``classify`` (or ``generate``, which also gets INPUT's column and OUT)."""
+    g = parser.add_argument_group("scale-out on Ray Data (pip install 'slotinfer[ray]')")
+    g.add_argument("--ray", action="store_true", help="run the file through Ray Data actors (docs/scale-out.md)")
+    g.add_argument("--ray-address", metavar="ADDR", help="a running cluster's address (default: start a local one)")
+    g.add_argument("--actors", type=positive_int, default=1, help="engines, one per actor (default 1)")
+    g.add_argument("--batch-size", type=positive_int, default=None,
+                   help="rows per actor call (default: 256 to classify, 4 x --slots to generate)")
+    if generate:  # other options of generate may already name these
+        have = parser._option_string_actions
+        if "--output" not in have:
+            g.add_argument("--output", "-o", help="with --ray: .jsonl or .parquet output, resumable")
+        if "--column" not in have:
+            g.add_argument("--column", help="with --ray: the input column holding the prompt (default: text)")
