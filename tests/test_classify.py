@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import slotinfer
 from slotinfer.cache import SequenceCache
-from slotinfer.classify import BatchContext, classify, encode_labels, plan_batches
+from slotinfer.classify import classify, encode_labels
+from slotinfer.encoder import SegmentView, plan_batches
 from slotinfer.classify_cli import done_ids, main, parse_template
 from slotinfer.errors import InvalidRequestError, PromptTooLongError
 from slotinfer.testing import FAMILIES, make_tiny_model
@@ -199,8 +200,8 @@ def test_plan_batches_covers_each_prompt_once_within_budget(lengths, budget):
         assert lengths[b[0]] == width
 
 
-def test_batch_context_masks_padding_of_earlier_segments():
-    ctx = BatchContext(1, 2, offset=mx.array([3, 5]), past_pos=mx.array([[0, 1, 2, 1 << 30, 1 << 30],
+def test_segment_view_masks_padding_of_earlier_segments():
+    ctx = SegmentView(1, 2, offset=mx.array([3, 5]), past_pos=mx.array([[0, 1, 2, 1 << 30, 1 << 30],
                                                                          [0, 1, 2, 3, 4]]))
     m = np.array(ctx.mask(0, 2, None))[:, 0]
     assert m.shape == (2, 2, 7)
