@@ -72,6 +72,24 @@ def test_logits_equal_the_single_unpadded_forward(tiny, family, prompts, budget,
         assert r.prompt_tokens == len(full)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(ids_st, min_size=1, max_size=6), prefix=st.lists(st.integers(3, 250), min_size=1, max_size=24),
+       shared_budget=st.integers(1, 120), plain_budget=st.integers(1, 200), multi=st.booleans())
+def test_shared_prefix_equals_the_concatenated_prompts_whatever_the_batching(
+        tiny, family, prompts, prefix, shared_budget, plain_budget, multi):
+    """The prefix's K/V computed once and reused by every batch gives what running prefix + prompt does."""
+    model = tiny[family][1]
+    labels = ["the", "and", "the cat"] if multi else ["the", "and"]
+    kw = dict(labels=labels, label_prefix=" ", return_logits=True)
+    shared = classify(model, prompts, prefix=prefix, token_budget=shared_budget, **kw)
+    plain = classify(model, [prefix + p for p in prompts], token_budget=plain_budget, **kw)
+    for a, b in zip(shared, plain):
+        assert a.error is None and b.error is None and a.prompt_tokens == b.prompt_tokens
+        np.testing.assert_allclose(a.logits, b.logits, atol=ATOL, rtol=1e-4)
+        np.testing.assert_allclose([a.scores[x] for x in labels], [b.scores[x] for x in labels], atol=ATOL)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_label_scores_are_exact_sequence_logprobs(tiny, family):
     model = tiny[family][1]
