@@ -67,7 +67,6 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import device
 from .encoder import FAR, SegmentView, SharedPrefix, forward, last_hidden, plan_batches
 from .errors import InvalidRequestError, PromptTooLongError
 from .sampling import SamplingParams, sample
@@ -169,7 +168,10 @@ class _Classifier:
         self.params = params
         self.base_seed = base_seed
         self.prefix_ids = prefix_ids
-        self.by_layer = device.prefill_by_layer()
+        # Batches are queued whole (no eval per layer): the next batch's graph is built while this
+        # one computes (async_eval in classify), which an eval per layer would stop, ~3% of
+        # throughput on the 2-core CPU (docs/classify.md); the token budget bounds the memory.
+        self.by_layer = 0
         self.prefix = SharedPrefix(self.net, prefix_ids, self.by_layer) if share and prefix_ids else None
         self.P = len(self.prefix) if self.prefix is not None else 0
         if labels is not None:
