@@ -20,6 +20,18 @@ products, and the LM head at the last token only.  Figures are medians over
     python benchmarks/bench_classify.py --n 96 --baseline-n 32 --repeats 1   # ~1-2 min
     python benchmarks/bench_classify.py --budgets 256,512,1024,2048          # sweep budgets
     python benchmarks/bench_classify.py --transformers    # + transformers bf16, design (a)
+
+``--sharing`` measures instead what sharing the prefix buys and costs, on the same
+workload, side by side in one process with alternated repeats (medians):
+
+(a) ``classify`` with the shared prefix: own (sentence) tokens/s and sentences/s;
+(b) plain prefill of the same sentences without the prefix (``classify`` of the
+    sentences alone, same labels): tokens/s;
+(c) ``classify`` recomputing the prefix in every row (``share_prefix=False``): sentences/s;
+
+and prints a/b (own tokens/s; 1.0 = the prefix costs nothing) and a/c (sentences/s).
+
+    nice python benchmarks/bench_classify.py --sharing --n 128 --repeats 5
 """
 
 from __future__ import annotations
@@ -84,7 +96,8 @@ sys.path.insert(0, str(ROOT))
 import slotinfer  # noqa: E402  (loads the BLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
 
-from slotinfer.classify import classify, default_token_budget, plan_batches  # noqa: E402
+from slotinfer.classify import classify, default_token_budget  # noqa: E402
+from slotinfer.encoder import plan_batches  # noqa: E402
 from slotinfer.testing import make_tiny_model  # noqa: E402
 
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -199,6 +212,46 @@ def run_transformers(path, prompts, label_ids, batches, repeats, tmp):
     return out
 
 
+# -- --sharing ---------------------------------------------------------------------------
+
+def sharing(model, prefix, sentences, labels, repeats: int, budget: int | None) -> dict:
+    """(a), (b), (c) of the module docstring, alternated ``repeats`` times; medians."""
+    kwargs = {"a": dict(prefix=prefix), "b": {}, "c": dict(prefix=prefix, share_prefix=False)}
+
+    def run(k, sents):
+        return classify(model, sents, labels=labels, token_budget=budget, **kwargs[k])
+
+    runs = {k: (lambda k=k: run(k, sentences)) for k in kwargs}
+    for k in runs:  # warm-up
+        run(k, sentences[:8])
+    times = {k: [] for k in runs}
+    out = {}
+    for r in range(repeats):  # alternated, the order turned each repeat, so load drifts hit every run alike
+        for k in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            t = time.perf_counter()
+            out[k] = runs[k]()
+            times[k].append(time.perf_counter() - t)
+    n, own = len(sentences), sum(map(len, sentences))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    err = max(abs(x.scores[lab] - y.scores[lab]) for x, y in zip(out["a"], out["c"]) for lab in labels)
+    return dict(n=n, own_tokens=own, prefix_tokens=len(prefix), seconds=med, runs=times,
+                own_tokens_per_s={k: own / med[k] for k in med}, sentences_per_s={k: n / med[k] for k in med},
+                max_score_diff_a_c=err)
+
+
+def report_sharing(got: dict) -> None:
+    tps, sps, med = got["own_tokens_per_s"], got["sentences_per_s"], got["seconds"]
+    names = {"a": "(a) classify, shared prefix", "b": "(b) plain prefill, no prefix",
+             "c": "(c) classify, prefix recomputed"}
+    print("| run | median s | own tokens/s | sentences/s | seconds of each repeat |")
+    print("|---|---:|---:|---:|---|")
+    for k, name in names.items():
+        print(f"| {name} | {med[k]:.2f} | {tps[k]:.1f} | {sps[k]:.2f} | "
+              f"{', '.join(f'{t:.2f}' for t in got['runs'][k])} |")
+    print(f"\na/b own tokens/s: {tps['a'] / tps['b']:.2f}x (target >= 0.9x); "
+          f"a/c sentences/s: {sps['a'] / sps['c']:.2f}x; max |score a - score c| {got['max_score_diff_a_c']:.1e}")
+
+
 # -- main --------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -212,12 +265,28 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", default="~/.cache/slotinfer/bench")
     ap.add_argument("--transformers", action="store_true", help="also time transformers bf16 on design (a)")
+    ap.add_argument("--sharing", action="store_true",
+                    help="shared prefix vs plain prefill vs recomputed prefix (see the module docstring)")
     ap.add_argument("--json", help="write the figures to this file too")
     args = ap.parse_args(argv)
     path = model_dir(args.cache)
     model = slotinfer.load(path)
     cfg = model.config
     prefix, sentences, labels, label_ids = workload(model, args.n, args.seed)
+    if args.sharing:
+        budget = int(args.budgets) if args.budgets else None
+        print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"load {os.getloadavg()[0]:.1f}; BLAS {slotinfer.BLAS.name} ({slotinfer.BLAS.version}); "
+              f"mlx {mx.__version__}; compute {model.dtype}; token budget {budget or default_token_budget()}")
+        print(f"{args.n} sentences of {min(map(len, sentences))}-{max(map(len, sentences))} tokens "
+              f"(mean {np.mean([len(s) for s in sentences]):.1f}) behind a {len(prefix)}-token prefix, "
+              f"{len(labels)} labels; medians of {args.repeats} alternated repeats\n")
+        got = sharing(model, prefix, sentences, labels, args.repeats, budget)
+        report_sharing(got)
+        print(f"load average now {os.getloadavg()[0]:.1f}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(got, indent=2) + "\n")
+        return
     base_n = min(args.n, args.baseline_n or 128)
     full = [prefix + s for s in sentences]
     useful = [useful_flops(cfg, len(p)) for p in full]

@@ -68,7 +68,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import request
-from .cache import window_mask
+from .encoder import FAR, SegmentView, SharedPrefix, forward, last_hidden, plan_batches
 from .errors import InvalidRequestError, PromptTooLongError
 from .sampling import SamplingParams, sample
 from .types import ClassifyResult
@@ -78,7 +78,6 @@ __all__ = ["classify", "default_token_budget", "encode_labels", "LabelSet"]
 # Padded tokens per forward.  On CPU, bigger batches are no faster (docs/classify.md: budgets
 # 256, 512 and 1024 within 3%) and hold more memory; a GPU wants many more rows to fill it.
 CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 4096
-_FAR = 1 << 30  # key position of a slot that must stay invisible (padding of an earlier segment)
 _HEAD_CHUNK = 64  # rows per full-vocab head call when scoring multi-token labels
 
 
@@ -139,92 +138,7 @@ def encode_labels(model, labels, label_prefix: str = "") -> LabelSet:
     return LabelSet(tuple(names), tuple(ids))
 
 
-# -- the attention context ------------------------------------------------------------
-
-class BatchContext:
-    """Attention context of one classify forward (see the protocol in ``models/transformer.py``).
-
-    ``B`` right-padded rows of ``L`` new tokens each attend to ``past`` K/V (earlier
-    segments: a shared prefix, a prompt's own K/V) followed by their own K/V.
-
-    * ``offset``: rope position of each row's first new token (int, or [B] array).
-    * ``past``: list of segments ``(kv, index)``; ``kv[layer] = (k, v)`` with a batch
-      dimension of 1 (broadcast to every row) or of its own rows, gathered with
-      ``index`` [B] when given.  Segments are concatenated in order.
-    * ``past_pos``: key position of every past column, ``[1 or B, S_past]``; a column
-      a row must not see (its padding) holds a huge position, so causality hides it.
-      ``None`` means the past is exactly positions ``0 .. offset-1`` for every row.
-    * ``keep``: remember this forward's own K/V per layer in ``kept``.
-    """
-
-    def __init__(self, num_layers: int, batch: int, *, offset=0, past=(), past_pos=None, keep=False):
-        self.B = batch
-        self.offset = offset
-        self.past = list(past)
-        self.past_pos = past_pos
-        self.kept = [None] * num_layers if keep else None
-        self._masks = {}
-
-    def update(self, layer, k, v):
-        if self.kept is not None:
-            self.kept[layer] = (k, v)
-        if not self.past:
-            return k, v
-        ks, vs = [], []
-        for kv, index in self.past:
-            pk, pv = kv[layer]
-            if index is not None:
-                pk, pv = pk[index], pv[index]
-            if pk.shape[0] != self.B:
-                pk = mx.broadcast_to(pk, (self.B,) + pk.shape[1:])
-                pv = mx.broadcast_to(pv, (self.B,) + pv.shape[1:])
-            ks.append(pk)
-            vs.append(pv)
-        return mx.concatenate(ks + [k], axis=2), mx.concatenate(vs + [v], axis=2)
-
-    def mask(self, layer, L, window):
-        key = (L, window)
-        if key not in self._masks:
-            self._masks[key] = self._build(L, window)
-        return self._masks[key]
-
-    def _build(self, L, window):
-        uniform = isinstance(self.offset, int) and self.past_pos is None
-        if uniform:
-            total = self.offset + L
-            if window is None or total <= window:
-                return None if L == 1 else "causal"  # bottom-right aligned: exactly what is needed
-            q_pos = mx.arange(self.offset, total)[None]
-            k_pos = mx.arange(total)[None]
-        else:
-            off = self.offset if isinstance(self.offset, int) else self.offset[:, None]
-            q_pos = off + mx.arange(L)[None]  # [1 or B, L]
-            rows = max(q_pos.shape[0], 1 if self.past_pos is None else self.past_pos.shape[0])
-            q_pos = mx.broadcast_to(q_pos, (rows, L))
-            past = self.past_pos if self.past_pos is not None else mx.arange(self.offset)[None]
-            k_pos = mx.concatenate([mx.broadcast_to(past, (rows, past.shape[1])), q_pos], axis=1)
-        return window_mask(q_pos, k_pos, window)[:, None]  # [rows, 1, L, S]
-
-
 # -- the run --------------------------------------------------------------------------
-
-def plan_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices grouped into batches, longest first, each at most ``budget`` padded tokens.
-
-    Sorted lengths make each batch's rows nearly equal, so little is padded; a row
-    longer than the budget forms a batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches, cur = [], []
-    for i in order:
-        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
-
 
 def _is_ids(x) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -255,32 +169,27 @@ class _Classifier:
         self.params = params
         self.base_seed = base_seed
         self.prefix_ids = prefix_ids
-        self.P = len(prefix_ids) if share else 0
-        self.prefix_kv = self._encode_prefix() if share and prefix_ids else None
+        # Batches are queued whole (no eval per layer): the next batch's graph is built while this
+        # one computes (async_eval in classify), which an eval per layer would stop, ~3% of
+        # throughput on the 2-core CPU (docs/classify.md); the token budget bounds the memory.
+        self.by_layer = 0
+        self.prefix = SharedPrefix(self.net, prefix_ids, self.by_layer) if share and prefix_ids else None
+        self.P = len(self.prefix) if self.prefix is not None else 0
         if labels is not None:
             self.first = labels.first
             col = {t: j for j, t in enumerate(self.first)}
             self.first_col = mx.array([col[t[0]] for t in labels.ids])
             self.first_ids = mx.array(self.first)
 
-    def _encode_prefix(self):
-        ctx = BatchContext(self.layers, 1, keep=True)
-        self.net(mx.array([self.prefix_ids]), ctx)
-        kv = ctx.kept
-        mx.eval(kv)
-        return kv
-
     # one batch -> lazy outputs
     def run(self, rows: list[list[int]], indices: list[int]) -> dict:
         B = len(rows)
-        L = max(len(r) for r in rows)
         lens = np.array([len(r) for r in rows])
-        tokens = mx.array([r + [0] * (L - len(r)) for r in rows])
         multi = self.labels.multi if self.labels is not None else []
-        past = [(self.prefix_kv, None)] if self.prefix_kv is not None else []
-        ctx = BatchContext(self.layers, B, offset=self.P, past=past, keep=bool(multi))
-        h = self.net(tokens, ctx)
-        last = h[mx.arange(B), mx.array(lens - 1)]  # [B, hidden]: the only positions the head sees
+        past = [self.prefix.segment()] if self.prefix is not None else []
+        ctx = SegmentView(self.layers, B, offset=self.P, past=past, keep=bool(multi))
+        h = forward(self.net, rows, ctx, self.by_layer)
+        last = last_hidden(h, lens)  # [B, hidden]: the only positions the head sees
         out = {}
         full = None
         if self.return_logits or self.labels is None:
@@ -313,15 +222,13 @@ class _Classifier:
         R = len(multi) * B
         bidx = np.tile(np.arange(B), len(multi))  # row r continues prompt bidx[r]
         lab = np.repeat(np.array(multi), B)  # ... with label lab[r]
-        tokens = mx.array([list(labels.ids[lab[r]][:-1]) + [0] * (M1 - len(labels.ids[lab[r]]) + 1)
-                           for r in range(R)])
         own = np.arange(Lp)[None] + self.P
-        own = np.where(np.arange(Lp)[None] < lens[bidx][:, None], own, _FAR)  # hide the prompt's padding
+        own = np.where(np.arange(Lp)[None] < lens[bidx][:, None], own, FAR)  # hide the prompt's padding
         past_pos = own if not self.P else np.concatenate([np.broadcast_to(np.arange(self.P), (R, self.P)), own], 1)
-        past = ([(self.prefix_kv, None)] if self.prefix_kv is not None else []) + [(kept, mx.array(bidx))]
-        ctx = BatchContext(self.layers, R, offset=mx.array(self.P + lens[bidx]), past=past,
+        past = ([self.prefix.segment()] if self.prefix is not None else []) + [(kept, mx.array(bidx))]
+        ctx = SegmentView(self.layers, R, offset=mx.array(self.P + lens[bidx]), past=past,
                            past_pos=mx.array(past_pos))
-        h = net(tokens, ctx)  # [R, M1, hidden]
+        h = forward(net, [list(labels.ids[lab[r]][:-1]) for r in range(R)], ctx, self.by_layer)  # [R, M1, hidden]
         flat, target, owner = [], [], []
         for r in range(R):
             ids = labels.ids[lab[r]]

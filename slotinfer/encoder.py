@@ -1,23 +1,87 @@
-"""The Encoder: prefills newly admitted prompts into their slots.
+"""The Encoder: prefill, for the engine's slots and for classify alike.
 
-Several prompts go through in one padded forward (causal + padding mask), each
-written into its own slot's rows and nowhere else.  Prompts longer than the token
-budget arrive in chunks, one chunk per engine step, so running slots keep decoding
-meanwhile.  Logits are computed only at the last real token of rows whose prompt
-is complete: never ``[n, L, vocab]``.
+One mechanism serves both.  Prompts go through in right-padded batches whose padded
+size (rows x widest row) stays within a token budget (:func:`fits`), by one forward
+(:func:`forward`) that evaluates layer by layer from the device's threshold on, and
+the head sees only each row's last real token (:func:`last_hidden`): never
+``[n, L, vocab]``.  What differs is the attention context the rows run through:
+
+* the engine's :class:`~slotinfer.slots.PrefillView` writes each row's K/V into its
+  slot; prompts longer than the budget arrive in chunks, one per engine step, so
+  running slots keep decoding meanwhile (:class:`Encoder`);
+* classify's :class:`SegmentView` attends to K/V computed before (a
+  :class:`SharedPrefix`, computed once and reused by every batch; a prompt's own K/V
+  kept for its labels' continuations) followed by the rows' own K/V.  Its batches are
+  the sorted lengths cut by the same rule (:func:`plan_batches`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import mlx.core as mx
 
 from . import device
+from .cache import window_mask
 from .models.transformer import layer_by_layer
 from .sampling import logprobs_of, penalize, sample
 from .slots import PrefillView, SlotTable
 
+FAR = 1 << 30  # key position of a past column that must stay invisible (padding of an earlier segment)
+
+
+# -- batching -------------------------------------------------------------------------
+
+def fits(width: int, rows: int, budget: int) -> bool:
+    """Whether ``rows`` right-padded rows of ``width`` tokens may share one forward (one row always may)."""
+    return rows <= 1 or width * rows <= budget
+
+
+def plan_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices grouped into batches, longest first, each at most ``budget`` padded tokens.
+
+    Sorted lengths make each batch's rows nearly equal, so little is padded; a row
+    longer than the budget forms a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        if cur and not fits(lengths[cur[0]], len(cur) + 1, budget):
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+# -- the forward ------------------------------------------------------------------------
+
+def forward(net, rows: list[list[int]], ctx, by_layer: int, kv=None):
+    """Final hidden states [n, widest, hidden] of ``rows`` (right-padded with 0) through ``ctx``.
+
+    From ``by_layer`` tokens (rows x widest) on (> 0), each layer is evaluated before the
+    next is queued (:func:`~slotinfer.models.transformer.layer_by_layer`), with the K/V
+    writes of ``kv`` (the slot table) when given.
+    """
+    width = max(len(r) for r in rows)
+    tokens = mx.array([r + [0] * (width - len(r)) for r in rows])
+    n = len(rows) * width
+    if kv is not None:
+        after = layer_by_layer(kv, n, by_layer)
+    else:
+        after = (lambda i, h: mx.eval(h)) if 0 < by_layer <= n else None
+    return net(tokens, ctx, after)
+
+
+def last_hidden(h, lens: Sequence[int], rows: Sequence[int] | None = None):
+    """Hidden state [m, hidden] at the last real token of each row (``rows``: which, default all)."""
+    rows = range(len(lens)) if rows is None else rows
+    return h[mx.array(list(rows)), mx.array([int(lens[i]) - 1 for i in rows])]
+
+
+# -- the engine's prefill -----------------------------------------------------------------
 
 @dataclass
 class Chunk:
@@ -41,7 +105,7 @@ class Encoder:
             left = len(item.prompt) - item.prefilled
             size = min(left, self.budget)
             w = max(width, size)
-            if picked and w * (len(picked) + 1) > self.budget:
+            if picked and not fits(w, len(picked) + 1, self.budget):
                 break
             width = w
             start = item.prefilled
@@ -54,20 +118,17 @@ class Encoder:
         ``rows_params`` holds [m] sampling arrays for the rows with ``last=True``, in order.
         """
         width = max(len(c.tokens) for c in chunks)
-        tokens = mx.array([c.tokens + [0] * (width - len(c.tokens)) for c in chunks])
         rows = mx.array([c.slot for c in chunks])
         starts = mx.array([c.start for c in chunks])
-        lens = mx.array([len(c.tokens) for c in chunks])
+        lens = [len(c.tokens) for c in chunks]
         fresh = all(c.start == 0 for c in chunks)
         span = max(c.start + len(c.tokens) for c in chunks)
-        view = PrefillView(self.table, rows, starts, lens, width, span, fresh)
-        h = self.net(tokens, view, layer_by_layer(self.table, len(chunks) * width, self.by_layer))
+        view = PrefillView(self.table, rows, starts, mx.array(lens), width, span, fresh)
+        h = forward(self.net, [c.tokens for c in chunks], view, self.by_layer, self.table)
         done = [i for i, c in enumerate(chunks) if c.last]
         if not done:
             return None
-        idx = mx.array(done)
-        last = h[idx, mx.array([len(chunks[i].tokens) - 1 for i in done])]  # [m, hidden]
-        logits = self.net.head(last)
+        logits = self.net.head(last_hidden(h, lens, done))
         p = rows_params
         raw = logits
         if p.seen is not None:
@@ -76,3 +137,92 @@ class Encoder:
                        mx.zeros(len(done), dtype=mx.uint32), use_sort=p.use_sort)
         extra = list(logprobs_of(raw, first, top_n)) if top_n >= 0 else []
         return first, [e for e in extra if e is not None]
+
+
+# -- classify's prefill: rows after K/V computed before -------------------------------------
+
+class SegmentView:
+    """Attention context of rows that follow K/V computed before (see the protocol in ``models/transformer.py``).
+
+    ``B`` right-padded rows of ``L`` new tokens each attend to ``past`` K/V (earlier
+    segments: a shared prefix, a prompt's own K/V) followed by their own K/V.
+
+    * ``offset``: rope position of each row's first new token (int, or [B] array).
+    * ``past``: list of segments ``(kv, index)``; ``kv[layer] = (k, v)`` with a batch
+      dimension of 1 (broadcast to every row) or of its own rows, gathered with
+      ``index`` [B] when given.  Segments are concatenated in order.
+    * ``past_pos``: key position of every past column, ``[1 or B, S_past]``; a column
+      a row must not see (its padding) holds :data:`FAR`, so causality hides it.
+      ``None`` means the past is exactly positions ``0 .. offset-1`` for every row.
+    * ``keep``: remember this forward's own K/V per layer in ``kept``.
+    """
+
+    def __init__(self, num_layers: int, batch: int, *, offset=0, past=(), past_pos=None, keep=False):
+        self.B = batch
+        self.offset = offset
+        self.past = list(past)
+        self.past_pos = past_pos
+        self.kept = [None] * num_layers if keep else None
+        self._masks = {}
+
+    def update(self, layer, k, v):
+        if self.kept is not None:
+            self.kept[layer] = (k, v)
+        if not self.past:
+            return k, v
+        ks, vs = [], []
+        for kv, index in self.past:
+            pk, pv = kv[layer]
+            if index is not None:
+                pk, pv = pk[index], pv[index]
+            if pk.shape[0] != self.B:
+                pk = mx.broadcast_to(pk, (self.B,) + pk.shape[1:])
+                pv = mx.broadcast_to(pv, (self.B,) + pv.shape[1:])
+            ks.append(pk)
+            vs.append(pv)
+        return mx.concatenate(ks + [k], axis=2), mx.concatenate(vs + [v], axis=2)
+
+    def mask(self, layer, L, window):
+        key = (L, window)
+        if key not in self._masks:
+            self._masks[key] = self._build(L, window)
+        return self._masks[key]
+
+    def _build(self, L, window):
+        uniform = isinstance(self.offset, int) and self.past_pos is None
+        if uniform:
+            total = self.offset + L
+            if window is None or total <= window:
+                return None if L == 1 else "causal"  # bottom-right aligned: exactly what is needed
+            q_pos = mx.arange(self.offset, total)[None]
+            k_pos = mx.arange(total)[None]
+        else:
+            off = self.offset if isinstance(self.offset, int) else self.offset[:, None]
+            q_pos = off + mx.arange(L)[None]  # [1 or B, L]
+            rows = max(q_pos.shape[0], 1 if self.past_pos is None else self.past_pos.shape[0])
+            q_pos = mx.broadcast_to(q_pos, (rows, L))
+            past = self.past_pos if self.past_pos is not None else mx.arange(self.offset)[None]
+            k_pos = mx.concatenate([mx.broadcast_to(past, (rows, past.shape[1])), q_pos], axis=1)
+        return window_mask(q_pos, k_pos, window)[:, None]  # [rows, 1, L, S]
+
+
+class SharedPrefix:
+    """K/V of a prefix (an instruction) computed once; every batch after it attends to them.
+
+    ``kv[layer] = (k, v)`` with a batch dimension of 1, broadcast to the rows of each
+    batch; rows after it start at rope position ``len(ids)``.
+    """
+
+    def __init__(self, net, ids: list[int], by_layer: int):
+        self.ids = list(ids)
+        view = SegmentView(net.config.num_layers, 1, keep=True)
+        forward(net, [self.ids], view, by_layer)
+        self.kv = view.kept
+        mx.eval(self.kv)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def segment(self):
+        """The ``past`` segment of a :class:`SegmentView`."""
+        return self.kv, None

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 import slotinfer
 from slotinfer.cache import SequenceCache
-from slotinfer.classify import BatchContext, classify, encode_labels, plan_batches
+from slotinfer.classify import classify, encode_labels
 from slotinfer.cli.classify import main
 from slotinfer.cli.jobs import done_ids, parse_template
+from slotinfer.encoder import SegmentView, plan_batches
 from slotinfer.errors import InvalidRequestError, PromptTooLongError
 from slotinfer.testing import FAMILIES, make_tiny_model
 
@@ -70,6 +71,24 @@ def test_logits_equal_the_single_unpadded_forward(tiny, family, prompts, budget,
         np.testing.assert_allclose(r.logits, want, atol=ATOL, rtol=1e-4)
         assert r.token == int(np.argmax(r.logits))
         assert r.prompt_tokens == len(full)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(ids_st, min_size=1, max_size=6), prefix=st.lists(st.integers(3, 250), min_size=1, max_size=24),
+       shared_budget=st.integers(1, 120), plain_budget=st.integers(1, 200), multi=st.booleans())
+def test_shared_prefix_equals_the_concatenated_prompts_whatever_the_batching(
+        tiny, family, prompts, prefix, shared_budget, plain_budget, multi):
+    """The prefix's K/V computed once and reused by every batch gives what running prefix + prompt does."""
+    model = tiny[family][1]
+    labels = ["the", "and", "the cat"] if multi else ["the", "and"]
+    kw = dict(labels=labels, label_prefix=" ", return_logits=True)
+    shared = classify(model, prompts, prefix=prefix, token_budget=shared_budget, **kw)
+    plain = classify(model, [prefix + p for p in prompts], token_budget=plain_budget, **kw)
+    for a, b in zip(shared, plain):
+        assert a.error is None and b.error is None and a.prompt_tokens == b.prompt_tokens
+        np.testing.assert_allclose(a.logits, b.logits, atol=ATOL, rtol=1e-4)
+        np.testing.assert_allclose([a.scores[x] for x in labels], [b.scores[x] for x in labels], atol=ATOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -200,8 +219,8 @@ def test_plan_batches_covers_each_prompt_once_within_budget(lengths, budget):
         assert lengths[b[0]] == width
 
 
-def test_batch_context_masks_padding_of_earlier_segments():
-    ctx = BatchContext(1, 2, offset=mx.array([3, 5]), past_pos=mx.array([[0, 1, 2, 1 << 30, 1 << 30],
+def test_segment_view_masks_padding_of_earlier_segments():
+    ctx = SegmentView(1, 2, offset=mx.array([3, 5]), past_pos=mx.array([[0, 1, 2, 1 << 30, 1 << 30],
                                                                          [0, 1, 2, 3, 4]]))
     m = np.array(ctx.mask(0, 2, None))[:, 0]
     assert m.shape == (2, 2, 7)
