@@ -23,7 +23,7 @@ from .decoder import Decoder, RowParams
 from .encoder import Encoder
 from .errors import EngineError, PromptTooLongError
 from .handle import Handle
-from .item_processor import Item, ItemProcessor, owned_by_request
+from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .sampling import SamplingParams, top_n_computed
 from .slots import SlotTable
 
@@ -97,7 +97,7 @@ class Engine:
         self.items = ItemProcessor(slots)
         self.rows = RowParams(slots, model.config.vocab_size)
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
-        self.pos = np.full(slots, max_len, dtype=np.int32)  # where each slot's next token is written
+        self.lengths = np.full(slots, max_len, dtype=np.int32)  # tokens slot b holds: where its next one is written
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
         self._pending: _Issued | None = None
         mx.eval(self.tokens, self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.min_p,
@@ -139,6 +139,18 @@ class Engine:
 
     def add(self, item: Item):
         self.items.add(item)
+
+    def cancel(self, item: Item):
+        """End ``item`` (from any thread) at the next step; a no-op once it ended."""
+        self.items.cancelled.put(item)
+
+    def in_flight(self) -> list[Item]:
+        """What the engine holds that has not ended: waiting, then in slots."""
+        return self.items.in_flight()
+
+    def room(self) -> int:
+        """Requests the engine could admit now without queueing them."""
+        return self.items.room()
 
     @property
     def busy(self) -> bool:
@@ -195,8 +207,9 @@ class Engine:
             self._first_extra = [_spread(e, slots, self.slots) for e in extra]
             for it in done:
                 self.items.prefilling.remove(it)
-                it.state, it.issued = "running", 1
-                self.pos[it.slot], self.gen[it.slot] = len(it.prompt), 1
+                self.items.move(it, State.DECODING)
+                it.issued = 1
+                self.lengths[it.slot], self.gen[it.slot] = len(it.prompt), 1
         # A fresh prefill attends to its own K/V, so the tokens do not depend on the cache
         # writes: evaluated here, or a batch that never decodes (max_tokens=1) would leave
         # them lazy and chain every later batch's graph onto them.
@@ -224,7 +237,7 @@ class Engine:
         if needed:
             positions = np.full(self.slots, self.max_len, dtype=np.int32)
             for it in needed:
-                positions[it.slot] = self.pos[it.slot]
+                positions[it.slot] = self.lengths[it.slot]
             self.rows.steps = mx.array(self.gen)
             nxt, extra = self.decoder.step(tokens_in, mx.array(positions), int(positions[[it.slot for it in needed]].max()) + 1,
                                            self.rows, top_n=top_n)
@@ -241,7 +254,7 @@ class Engine:
             issued.extra = [*extra[1:], *(fx[1:] if fx else extra[1:])]
         mx.async_eval(issued.packed, self.tokens)
         for it in needed:
-            self.pos[it.slot] += 1
+            self.lengths[it.slot] += 1
             self.gen[it.slot] += 1
             it.issued += 1
         if needed:
@@ -258,7 +271,7 @@ class Engine:
         host = issued.to_host()
         for row in issued.rows:
             item = row.item
-            if item.state != "running" or item.slot != row.slot:
+            if item.state is not State.DECODING or item.slot != row.slot:
                 continue  # finished (or cancelled) while this step was in flight
             try:
                 self._accept_row(host, row)
@@ -277,7 +290,7 @@ class Engine:
 
     def fail_all(self, error: BaseException):
         """The device step itself failed: end every item in flight with the cause."""
-        for item in [*self.items.waiting, *filter(None, self.items.by_slot)]:
+        for item in self.items.in_flight():
             self.items.finish(item, "error", EngineError(f"the engine failed: {error!r}"))
         self._pending = None
 

@@ -140,7 +140,7 @@ class Inferencer:
         self._failure: EngineError | None = None  # set if the loop itself failed (a bug): every request gets it
         self._accepted = self._refused = 0  # requests queued; requests refused at submit (full queue, closed)
         # not at exit: there _close_live cancels what is still running, as close() would
-        weakref.finalize(self, _abandoned, self._inbox, self.engine.items).atexit = False
+        weakref.finalize(self, _abandoned, self._inbox, self.engine.in_flight).atexit = False
         if start:
             self.start()
 
@@ -372,7 +372,7 @@ class Inferencer:
         if self._take(block=not engine.busy):
             return True
         if self._cancel_all:
-            for item in [*engine.items.waiting, *filter(None, engine.items.by_slot)]:
+            for item in engine.in_flight():
                 item.handle.cancel()
         if engine.busy:
             engine.step_or_fail()  # a device failure ends the items in flight, not the worker
@@ -388,12 +388,11 @@ class Inferencer:
 
     def _fail(self, error: BaseException):
         """The loop itself failed (a bug): end every request, queued, in flight or submitted later."""
-        items = self.engine.items
         with self._cv:
             self._failure = EngineError(
                 f"the Inferencer's worker failed ({type(error).__name__}: {error}); it serves no more requests: "
                 f"close it and create a new one")
-            pending = [*self._inbox, *items.waiting, *filter(None, items.by_slot)]
+            pending = [*self._inbox, *self.engine.in_flight()]
             self._inbox.clear()
             self._cv.notify_all()
         for item in pending:
@@ -410,12 +409,12 @@ class Inferencer:
                 try:
                     self._inbox.remove(item)
                 except ValueError:
-                    engine.items.cancelled.put(item)  # it reached the engine meanwhile
+                    engine.cancel(item)  # it reached the engine meanwhile
                     continue
                 engine.add(item)  # which ends it at its next step
             room = len(self._inbox)
             if not self._cancel_all:
-                room = min(room, len(engine.items.free) - len(engine.items.waiting))
+                room = min(room, engine.room())
             for _ in range(max(room, 0)):
                 engine.add(self._inbox.popleft())
             if room > 0:
@@ -444,12 +443,12 @@ def _work(ref):
         _working.discard(inf)
 
 
-def _abandoned(inbox, items):
+def _abandoned(inbox, in_flight):
     """An Inferencer freed without :meth:`~Inferencer.close` (one never started, say): end what it
     still held, so no request hangs."""
     error = EngineClosed("the Inferencer was dropped (garbage-collected) without close() while this request "
                          "was pending; close it, or use it in a `with` block, to let its requests finish")
-    for item in [*inbox, *items.waiting, *filter(None, items.by_slot)]:
+    for item in [*inbox, *in_flight()]:
         item.handle._finish(error=error)
 
 

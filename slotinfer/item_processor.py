@@ -1,13 +1,18 @@
-"""The ItemProcessor: the host side of the loop.
+"""The ItemProcessor: the host side of the loop, and the one owner of a request's lifecycle.
 
 It owns every request's record (:class:`Item`), the FIFO of waiting items and the
 free-slot list.  Each step it takes the tokens the device produced, appends them,
 streams text, finishes items (EOS / stop token / stop string / max_tokens /
 cancellation), frees their slots and admits waiting items into them.
+
+An item's :class:`State` changes only through :meth:`ItemProcessor.move`, along
+:data:`TRANSITIONS`: waiting -> prefilling -> decoding -> finished, and cancelled or
+failed from any state that has not ended.
 """
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 import time
@@ -19,6 +24,28 @@ from .handle import Handle, StreamEvent
 from .stops import find_stop
 from .sampling import SamplingParams
 from .types import Completion
+
+
+class State(enum.Enum):
+    WAITING = "waiting"  # submitted, no slot yet
+    PREFILLING = "prefilling"  # in a slot, its prompt being encoded (maybe over several chunks)
+    DECODING = "decoding"  # its first token issued; one more each decode step
+    FINISHED = "finished"  # stop / length: a Completion
+    CANCELLED = "cancelled"  # a Completion with finish_reason "cancelled"
+    FAILED = "failed"  # an error (its own, or the engine's)
+
+    @property
+    def ended(self) -> bool:
+        return self in (State.FINISHED, State.CANCELLED, State.FAILED)
+
+
+_END = {State.CANCELLED, State.FAILED}
+TRANSITIONS: dict[State, frozenset[State]] = {
+    State.WAITING: frozenset({State.PREFILLING, *_END}),
+    State.PREFILLING: frozenset({State.DECODING, *_END}),
+    State.DECODING: frozenset({State.FINISHED, *_END}),
+    State.FINISHED: frozenset(), State.CANCELLED: frozenset(), State.FAILED: frozenset(),
+}
 
 
 @dataclass(eq=False)
@@ -39,7 +66,7 @@ class Item:
     slot: int = -1
     prefilled: int = 0
     issued: int = 0  # tokens asked of the device so far (the Encoder's first, then one per decode step)
-    state: str = "waiting"  # waiting | prefill | running | done
+    state: State = State.WAITING  # changed only by ItemProcessor.move
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -66,7 +93,22 @@ class ItemProcessor:
         return bool(self.waiting) or any(self.by_slot)
 
     def running(self) -> list[Item]:
-        return [it for it in self.by_slot if it is not None and it.state == "running"]
+        return [it for it in self.by_slot if it is not None and it.state is State.DECODING]
+
+    def move(self, item: Item, to: State):
+        """The one place an item's state changes, along :data:`TRANSITIONS`."""
+        if to not in TRANSITIONS[item.state]:
+            raise EngineError(f"request {item.id} cannot go from {item.state.value} to {to.value}: "
+                              "a bug in slotinfer's lifecycle, please report it")
+        item.state = to
+
+    def in_flight(self) -> list[Item]:
+        """Every item the engine holds that has not ended: waiting, then those in slots."""
+        return [*self.waiting, *filter(None, self.by_slot)]
+
+    def room(self) -> int:
+        """Items the engine could admit now (free slots not already promised to waiting items)."""
+        return len(self.free) - len(self.waiting)
 
     def add(self, item: Item):
         item.handle._on_cancel = lambda: self.cancelled.put(item)
@@ -83,7 +125,8 @@ class ItemProcessor:
                 self.finish(item, "cancelled")
                 continue
             item.slot = self.free.pop(0)
-            item.state, item.t_admit = "prefill", time.perf_counter()
+            self.move(item, State.PREFILLING)
+            item.t_admit = time.perf_counter()
             self.by_slot[item.slot] = item
             self.prefilling.append(item)
             admitted.append(item)
@@ -95,7 +138,7 @@ class ItemProcessor:
 
     def accept(self, item: Item, token: int, logprob=None, top=None) -> bool:
         """Append one generated token; returns True when the item finished."""
-        if item.state != "running":
+        if item.state is not State.DECODING:
             return True
         if not item.tokens:
             item.t_first = time.perf_counter()
@@ -145,9 +188,9 @@ class ItemProcessor:
 
     def finish(self, item: Item, reason: str, error: BaseException | None = None):
         """End ``item`` exactly once and free its slot."""
-        if item.state == "done":
+        if item.state.ended:
             return
-        if item.state == "waiting":
+        if item.state is State.WAITING:
             try:
                 self.waiting.remove(item)
             except ValueError:
@@ -158,7 +201,8 @@ class ItemProcessor:
             self.by_slot[item.slot] = None
             self.free.append(item.slot)
             self.free.sort()
-        item.state = "done"
+        self.move(item, State.FAILED if error is not None or reason == "error" else
+                  State.CANCELLED if reason == "cancelled" else State.FINISHED)
         self.finished += 1
         if error is not None:
             item.handle._finish(error=error)
