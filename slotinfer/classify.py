@@ -56,6 +56,9 @@ Per-prompt problems (empty, too long for the context, ids outside the vocabulary
 come back as ``ClassifyResult.error``; the other prompts still complete.  Problems
 of the whole request (bad labels, bad sampling parameters, a bad prefix) raise
 :class:`~slotinfer.errors.InvalidRequestError`.
+
+Why one module: scoring a label set (one- and multi-token labels) and batching over the shared
+prefix are one algorithm.
 """
 
 from __future__ import annotations

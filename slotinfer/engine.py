@@ -6,6 +6,9 @@ new prompts (Encoder), issues one fused decode step for every running slot
 (Decoder), and only then reads back the *previous* step's tokens: the host's
 bookkeeping of step t overlaps the device's work on step t+1, and each step costs
 exactly one device-to-host copy.
+
+Why one module: the step's phases (admit, prefill, decode, process) share the slot table's
+state, and the pipelined step reads in order only when they sit together.
 """
 
 from __future__ import annotations

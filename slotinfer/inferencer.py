@@ -7,6 +7,9 @@
 A background thread owns the slot table and runs the engine loop; producers on any
 thread (or an asyncio loop) submit requests and get :class:`Handle` objects back.
 Worker threads outlive their Inferencer and serve the next one (see :class:`_Workers`).
+
+Why one module: the thread handoff, the asyncio API, serve_queue and the worker's lifecycle
+share one lock and one inbox.
 """
 
 from __future__ import annotations

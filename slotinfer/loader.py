@@ -7,6 +7,9 @@ checkpoint's own; the only rewrites are the ones the decoder needs (fused
 projections, Gemma's norm offset folded in) and they happen here, once.
 A ``.gguf`` file (or a folder holding one and no config.json) is read by
 :mod:`slotinfer.gguf` and joins the same :func:`assemble` tail.
+
+Why one module: the checks on a model's files must run in one order, before anything is
+allocated.
 """
 
 from __future__ import annotations

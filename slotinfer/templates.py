@@ -18,6 +18,8 @@ Either limit raises :class:`slotinfer.errors.TemplateError`, which names the var
     >>> env = sandboxed_environment()
     >>> render(compile_template(env, "{{ x * 2 }}"), {"x": "ab"})
     'abab'
+
+Why one module: the sandbox and its limits have to be audited together.
 """
 
 from __future__ import annotations

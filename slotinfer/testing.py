@@ -19,6 +19,9 @@ written one tensor at a time into reused buffers, so a Qwen3-0.6B-shaped folder
 
     >>> from slotinfer.testing import make_tiny_model
     >>> folder = make_tiny_model("qwen3", tmp / "qwen3", quantize={"bits": 4, "group_size": 32})
+
+Why one module: it writes a checkpoint of every family in every layout users hold (safetensors
+dense and quantized, with tokenizer and template), and the builders share their fixtures.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ BOS token string (a rendered chat template usually does) keeps a single BOS.
 :class:`StreamingDetokenizer` turns a stream of ids into text deltas that never
 end inside a UTF-8 sequence; joined (plus :meth:`~StreamingDetokenizer.flush`)
 they equal :meth:`Tokenizer.decode` of all the ids.
+
+Why one module: special tokens, the chat template and the streaming detokenizer all read the
+same tokenizer files.
 """
 
 from __future__ import annotations

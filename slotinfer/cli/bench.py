@@ -5,6 +5,9 @@ Workload (mirrors the peers' figures in DESIGN.md): prompts of 32 tokens, exactl
 generated tokens each (``ignore_eos``), at 1, 8 and 32 slots.  The Qwen3-0.6B shape has
 random weights, so it is built locally once and cached; its shape, not its words, sets the
 speed.  Without the default model installed, bench runs that shape and says so.
+
+Why one module: each workload (engine, max-len sweep, mixed arrivals, soak) is a few dozen lines
+sharing the model building and the output format.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ Jinja ``{{ text }}``) where the sentence goes; the part before it becomes the sh
 prefix (encoded once), the part after is appended to every sentence.  One final
 newline of the file is dropped.  Prompt ids are ``prefix_ids + ids(sentence +
 suffix)``, see :mod:`slotinfer.classify`.
+
+Why one module: the command's input formats (lines, JSONL, CSV), progress and run loop belong to
+it alone.
 """
 
 from __future__ import annotations

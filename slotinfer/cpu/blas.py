@@ -16,6 +16,9 @@ the shim sends one-row products to gemv, and it computes small products itself
 slotinfer is installed (``setup.py``); importing slotinfer never compiles
 anything nor writes a file.  ``SLOTINFER_BLAS_THREADS`` sets the thread count
 (default: usable physical cores).
+
+Why one module: finding a BLAS, loading it before MLX and reporting what loaded are one
+decision, made once at import.
 """
 
 from __future__ import annotations

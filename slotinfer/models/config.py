@@ -5,6 +5,9 @@ Checkpoints come with two generations of keys: the classic ones (``rope_theta``,
 current transformers writes (``rope_parameters``, ``layer_types``).  Both are read;
 reading only one kind would silently run the wrong model.  GGUF files reach the same
 rules: :mod:`slotinfer.models.gguf_config` maps their metadata onto these keys.
+
+Why one module: every family's switches and the checks on their values sit together on purpose:
+adding a family means reading one file.
 """
 
 from __future__ import annotations

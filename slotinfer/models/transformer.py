@@ -19,6 +19,9 @@ Gemma 3's q and k norms, into one per-head ``qk_norm``: fewer MLX ops per layer.
 Which kernels the elementwise steps and attention run on is not decided here: the model
 takes one :class:`~slotinfer.cpu.ops.Ops` (MLX's own by default; the CPU policy's from
 :func:`slotinfer.device.model_ops`).
+
+Why one module: it is the one decoder of every family; split, a layer's math would be read
+across files.
 """
 
 from __future__ import annotations
