@@ -215,7 +215,7 @@ def test_bad_limit_settings_say_what_is_wrong(monkeypatch, name, value):
 
 
 def _real_templates() -> dict[str, str]:
-    from slotinfer.testing import _template
+    from slotinfer.testing.tokenizers import _template
 
     found = {name: _template(name) for name in ("llama3", "qwen2", "qwen3", "gemma")}
     gguf = default_model.path()

@@ -47,7 +47,7 @@ def all_tensors(folder):
 
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """What a loader expects, derived from config.json alone (independently of testing.py)."""
+    """What a loader expects, derived from config.json alone (independently of slotinfer.testing)."""
     prefix = ""
     cfg = config
     if config["model_type"] == "gemma3":
@@ -215,12 +215,12 @@ def test_tokenizer_training_is_deterministic():
     import sys
 
     code = ("import sys, types; m = types.ModuleType('slotinfer'); m.__path__ = [sys.argv[1]]; "
-            "sys.modules['slotinfer'] = m; from slotinfer import testing; "
-            "print(*(zlib.crc32(testing._tokenizer_json(k).encode()) for k in ('llama3', 'qwen3', 'gemma3')))")
-    pkg = str(__import__("pathlib").Path(testing.__file__).parent)
+            "sys.modules['slotinfer'] = m; from slotinfer.testing import tokenizers; "
+            "print(*(zlib.crc32(tokenizers._tokenizer_json(k).encode()) for k in ('llama3', 'qwen3', 'gemma3')))")
+    pkg = str(__import__("pathlib").Path(testing.__file__).parent.parent)
     outs = {subprocess.run([sys.executable, "-c", "import zlib; " + code, pkg], capture_output=True, text=True,
                            check=True).stdout for _ in range(2)}
-    here = " ".join(str(zlib.crc32(testing._tokenizer_json(k).encode())) for k in ("llama3", "qwen3", "gemma3"))
+    here = " ".join(str(zlib.crc32(testing.tokenizers._tokenizer_json(k).encode())) for k in ("llama3", "qwen3", "gemma3"))
     assert outs == {here + "\n"}
 
 
