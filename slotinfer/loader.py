@@ -89,7 +89,7 @@ def load(path, *, dtype=None, revision=None) -> Model:
                 f"tokenizer.json has {tok.vocab_size} tokens but the model's vocab_size is {cfg.vocab_size}: "
                 "the tokenizer belongs to another model; copy the tokenizer files of this checkpoint"
             )
-        return tok, _eos_ids(folder, raw, tok)
+        return tok, frozenset(tok.eos_ids)  # the tokenizer read the folder's declared EOS ids
 
     return assemble(cfg, weights, quant, dtype=dtype, path=folder, tokenizer=tokenizer)
 
@@ -508,19 +508,3 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
                     quant.pop(m)
                 quant[f"{parent}.{fused}"] = specs[0]
     return weights
-
-
-def _eos_ids(folder: Path, raw: dict, tokenizer) -> frozenset[int]:
-    """EOS ids: generation_config.json (often a list) merged with config.json and the tokenizer's."""
-    ids: set[int] = set(tokenizer.eos_ids)
-    gen = read_json(folder / "generation_config.json", error=ConfigError)
-    if not isinstance(gen, dict):
-        raise ConfigError(f"{folder / 'generation_config.json'} must hold a JSON object; restore it from the checkpoint")
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    for where, source in (("generation_config.json", gen), ("config.json", raw), ("config.json text_config", text)):
-        val = source.get("eos_token_id")
-        vals = val if isinstance(val, list) else [] if val is None else [val]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
-            raise ConfigError(f"{where}: 'eos_token_id' must be a token id or a list of token ids, got {val!r}")
-        ids.update(vals)
-    return frozenset(ids)

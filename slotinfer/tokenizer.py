@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import tokenizers
 
 from ._files import read_json
-from .errors import InvalidRequestError, ModelNotFoundError, TokenizerError
+from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError
 
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
 
@@ -59,14 +59,26 @@ def _token_content(value: Any) -> str | None:
     return None
 
 
-def _eos_id_list(value: Any) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
+def declared_eos_ids(folder: Path) -> list[int]:
+    """The EOS ids a model folder declares: ``eos_token_id`` of generation_config.json and
+    config.json (and their ``text_config``), each a token id or a list of them.  The one place
+    they are read; any other value is a :class:`ConfigError` naming the file."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if not path.exists():
+            continue
+        data = read_json(path, error=ConfigError)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a JSON object; restore it from the checkpoint")
+        text = data.get("text_config")
+        for where, source in ((name, data), (f"{name} text_config", text if isinstance(text, dict) else {})):
+            val = source.get("eos_token_id")
+            vals = val if isinstance(val, list) else [] if val is None else [val]
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+                raise ConfigError(f"{where}: 'eos_token_id' must be a token id or a list of token ids, got {val!r}")
+            ids += vals
+    return ids
 
 
 def _check_unicode(text: str) -> None:
@@ -244,19 +256,7 @@ class Tokenizer:
 
         # End-of-sequence ids the model folder declares (e.g. Llama 3's <|eot_id|> and
         # <|end_of_text|>, Gemma 3's <eos> and <end_of_turn>).
-        extra_eos: list[int] = []
-        for name in ("generation_config.json", "config.json"):
-            p = folder / name
-            if p.is_file():
-                try:
-                    data = json.loads(p.read_text(encoding="utf-8"))
-                except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                    continue  # the loader reports a broken config.json itself
-                if isinstance(data, dict):
-                    extra_eos += _eos_id_list(data.get("eos_token_id"))
-                    text_cfg = data.get("text_config")
-                    if isinstance(text_cfg, dict):
-                        extra_eos += _eos_id_list(text_cfg.get("eos_token_id"))
+        extra_eos = declared_eos_ids(folder)
 
         model = raw.get("model") or {}
         byte_fallback = bool(model.get("byte_fallback")) and _contains_type(raw.get("decoder"), "ByteFallback")
