@@ -132,20 +132,22 @@ class Engine:
         top = p["top_logprobs"]
         self.counters["submitted"] += 1
         rid = next(_ids)
-        return Item(
+        item = Item(
             id=rid, prompt=ids, params=sampling, seed=seed, max_tokens=budget, stops=p["stop"],
             enders=p["stop_token_ids"] | (frozenset() if p["ignore_eos"] else model.eos_ids),
             handle=Handle(rid, p["loop"]),
             detok=model.tokenizer.detokenizer(skip_special_tokens=p["skip_special_tokens"]),
             top_logprobs=top if (p["logprobs"] or top) else -1, on_token=p["on_token"],
         )
+        self.items.watch(item)  # its handle's cancel() reaches the item processor, wherever the item is
+        return item
 
     def add(self, item: Item):
         self.items.add(item)
 
-    def cancel(self, item: Item):
-        """End ``item`` (from any thread) at the next step; a no-op once it ended."""
-        self.items.cancelled.put(item)
+    def cancelled_before_add(self) -> list[Item]:
+        """Items made here and cancelled before :meth:`add`: whoever queues them ends them by adding them."""
+        return self.items.cancelled_unheld()
 
     def in_flight(self) -> list[Item]:
         """What the engine holds that has not ended: waiting, then in slots."""

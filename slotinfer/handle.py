@@ -46,7 +46,7 @@ class Handle:
         self._aevents: asyncio.Queue | None = asyncio.Queue() if loop is not None else None
         self._cancel = threading.Event()
         self._ended = False  # the end of the stream was pushed
-        self._on_cancel = None  # set by the Inferencer: tells its worker without a scan of the queue
+        self._on_cancel = None  # set by the ItemProcessor as the request is made: tells the worker without a scan
 
     # -- reading ------------------------------------------------------------
 

@@ -133,7 +133,6 @@ class Inferencer:
         # as short as the slot table however many requests an offline job queues.  Submitting,
         # closing and the worker's decision to exit all happen under this condition.
         self._inbox: deque = deque()
-        self._cancelled: queue.SimpleQueue = queue.SimpleQueue()  # cancelled while perhaps still queued
         self._max_queue = max_queue
         self._cv = threading.Condition()
         self._closed = False
@@ -297,8 +296,6 @@ class Inferencer:
             if self._failure is not None:  # the loop is gone: end at once rather than wait for it
                 item.handle._finish(error=self._failure)
                 return
-            cancelled = self._cancelled  # not self: a handle kept by its user must not keep the Inferencer alive
-            item.handle._on_cancel = lambda: cancelled.put(item)
             self._inbox.append(item)
             if self._done is not None:
                 _working.add(self)
@@ -407,13 +404,11 @@ class Inferencer:
         with self._cv:
             if block and not self._inbox and not self._closed:
                 self._cv.wait(timeout=0.1)
-            while not self._cancelled.empty():  # cancelled while queued: ends now, not when a slot frees
-                item = self._cancelled.get()
+            for item in engine.cancelled_before_add():  # cancelled while queued: ends now, not when a slot frees
                 try:
                     self._inbox.remove(item)
                 except ValueError:
-                    engine.cancel(item)  # it reached the engine meanwhile
-                    continue
+                    continue  # not queued yet (or refused): it ends when it is added, if ever
                 engine.add(item)  # which ends it at its next step
             room = len(self._inbox)
             if not self._cancel_all:

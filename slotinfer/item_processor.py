@@ -13,6 +13,7 @@ failed from any state that has not ended.
 from __future__ import annotations
 
 import enum
+import functools
 import queue
 import threading
 import time
@@ -63,6 +64,7 @@ class Item:
     detok: object
     top_logprobs: int = -1  # -1: none; 0: the chosen token's; n: also the top n
     on_token: object = None
+    held: bool = False  # given to the ItemProcessor (ItemProcessor.add)
     slot: int = -1
     prefilled: int = 0
     issued: int = 0  # tokens asked of the device so far (the Encoder's first, then one per decode step)
@@ -87,6 +89,8 @@ class ItemProcessor:
         # Cancellations arrive here (from any thread) instead of being found by scanning every
         # waiting item each step, which would cost a step O(queue) in an offline job of millions.
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled_held: list[Item] = []  # heard of, ended at the next step
+        self._cancelled_unheld: list[Item] = []  # cancelled before add(): still queued by whoever made them
 
     @property
     def busy(self) -> bool:
@@ -110,8 +114,12 @@ class ItemProcessor:
         """Items the engine could admit now (free slots not already promised to waiting items)."""
         return len(self.free) - len(self.waiting)
 
+    def watch(self, item: Item):
+        """Hear of ``item``'s cancellation, from any thread, from the moment it is made."""
+        item.handle._on_cancel = functools.partial(self.cancelled.put, item)
+
     def add(self, item: Item):
-        item.handle._on_cancel = lambda: self.cancelled.put(item)
+        item.held = True
         self.waiting.append(item)
         if item.handle.cancel_requested:  # cancelled before it got here
             self.cancelled.put(item)
@@ -132,9 +140,23 @@ class ItemProcessor:
             admitted.append(item)
         return admitted
 
-    def reap_cancelled(self):
+    def _hear_cancelled(self):
         while not self.cancelled.empty():
-            self.finish(self.cancelled.get(), "cancelled")  # a no-op for one that ended meanwhile
+            item = self.cancelled.get()
+            (self._cancelled_held if item.held else self._cancelled_unheld).append(item)
+
+    def reap_cancelled(self):
+        """End the cancelled items held (a no-op for one that ended meanwhile)."""
+        self._hear_cancelled()
+        held, self._cancelled_held = self._cancelled_held, []
+        for item in held:
+            self.finish(item, "cancelled")
+
+    def cancelled_unheld(self) -> list[Item]:
+        """The items cancelled before :meth:`add`, each reported once; ends none (no callback runs here)."""
+        self._hear_cancelled()
+        out, self._cancelled_unheld = self._cancelled_unheld, []
+        return out
 
     def accept(self, item: Item, token: int, logprob=None, top=None) -> bool:
         """Append one generated token; returns True when the item finished."""

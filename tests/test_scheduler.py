@@ -70,3 +70,23 @@ def test_a_move_outside_the_table_is_refused(models):
     fresh = engine.make_item([5, 6], max_tokens=2)
     with pytest.raises(EngineError, match="cannot go from waiting to decoding"):
         engine.items.move(fresh, State.DECODING)
+
+
+def test_a_handle_hears_its_cancel_through_one_path_from_the_moment_it_is_made(models):
+    """The item processor hooks a request's cancel() as the engine makes it, once: adding it, or the
+    Inferencer queueing it, never replaces the hook, and a cancel before add() is reported to
+    whoever still queues the item rather than lost."""
+    engine = Engine(models["qwen3"], slots=1, max_len=32)
+    early, late = engine.make_item([5, 6, 7], max_tokens=4), engine.make_item([5, 6], max_tokens=4)
+    hooks = early.handle._on_cancel, late.handle._on_cancel
+    assert None not in hooks
+    early.handle.cancel()
+    assert engine.cancelled_before_add() == [early] and engine.cancelled_before_add() == []
+    engine.add(early)
+    engine.add(late)
+    assert late.handle._on_cancel is hooks[1]
+    engine.step()
+    late.handle.cancel()
+    engine.run_until_done()
+    assert early.state is late.state is State.CANCELLED
+    assert early.handle.result(0).finish_reason == late.handle.result(0).finish_reason == "cancelled"
