@@ -97,10 +97,9 @@ class Engine:
         self.table = SlotTable(model.config, slots=slots, max_len=max_len, dtype=model.dtype)
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
-        self.items = ItemProcessor(slots)
+        self.items = ItemProcessor(self.table)
         self.rows = RowParams(slots, model.config.vocab_size)
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
-        self.lengths = np.full(slots, max_len, dtype=np.int32)  # tokens slot b holds: where its next one is written
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
         self._pending: _Issued | None = None
         mx.eval(self.tokens, self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.min_p,
@@ -194,7 +193,7 @@ class Engine:
         self.rows.reset_seen([it.slot for it in admitted], [it.prompt for it in admitted])
 
     def _prefill(self) -> list[Item]:
-        plan = self.encoder.plan(self.items.prefilling)
+        plan = self.encoder.plan(self.items.prefilling())
         if not plan:
             return []
         t0 = time.perf_counter()
@@ -204,6 +203,7 @@ class Engine:
                                top_n=top_n)
         for it, c in plan:
             it.prefilled += len(c.tokens)
+            self.table.lengths[it.slot] += len(c.tokens)
             self.counters["prefill_tokens"] += len(c.tokens)
         if done:
             first, extra = out
@@ -211,10 +211,8 @@ class Engine:
             self.tokens[slots] = first
             self._first_extra = [_spread(e, slots, self.slots) for e in extra]
             for it in done:
-                self.items.prefilling.remove(it)
-                self.items.move(it, State.DECODING)
-                it.issued = 1
-                self.lengths[it.slot], self.gen[it.slot] = len(it.prompt), 1
+                self.items.prefilled(it)
+                it.issued, self.gen[it.slot] = 1, 1
         # A fresh prefill attends to its own K/V, so the tokens do not depend on the cache
         # writes: evaluated here, or a batch that never decodes (max_tokens=1) would leave
         # them lazy and chain every later batch's graph onto them.
@@ -242,7 +240,7 @@ class Engine:
         if needed:
             positions = np.full(self.slots, self.max_len, dtype=np.int32)
             for it in needed:
-                positions[it.slot] = self.lengths[it.slot]
+                positions[it.slot] = self.table.lengths[it.slot]
             self.rows.steps = mx.array(self.gen)
             nxt, extra = self.decoder.step(tokens_in, mx.array(positions), int(positions[[it.slot for it in needed]].max()) + 1,
                                            self.rows, top_n=top_n)
@@ -259,7 +257,7 @@ class Engine:
             issued.extra = [*extra[1:], *(fx[1:] if fx else extra[1:])]
         mx.async_eval(issued.packed, self.tokens)
         for it in needed:
-            self.lengths[it.slot] += 1
+            self.table.lengths[it.slot] += 1
             self.gen[it.slot] += 1
             it.issued += 1
         if needed:

@@ -24,6 +24,7 @@ from .errors import EngineError
 from .handle import Handle, StreamEvent
 from .stops import find_stop
 from .sampling import SamplingParams
+from .slots import SlotTable
 from .types import Completion
 
 
@@ -80,11 +81,11 @@ class Item:
 
 
 class ItemProcessor:
-    def __init__(self, slots: int):
+    def __init__(self, table: SlotTable):
+        self.table = table  # its lengths and new_batch_idx follow the slots given and freed here
         self.waiting: deque[Item] = deque()
-        self.free = list(range(slots))
-        self.by_slot: list[Item | None] = [None] * slots
-        self.prefilling: list[Item] = []
+        self.free = list(range(table.slots))
+        self.by_slot: list[Item | None] = [None] * table.slots
         self.finished = 0
         # Cancellations arrive here (from any thread) instead of being found by scanning every
         # waiting item each step, which would cost a step O(queue) in an offline job of millions.
@@ -95,6 +96,15 @@ class ItemProcessor:
     @property
     def busy(self) -> bool:
         return bool(self.waiting) or any(self.by_slot)
+
+    def prefilling(self) -> list[Item]:
+        """The items whose prompt is still to encode, in admission order."""
+        return [self.by_slot[s] for s in self.table.new_slots()]
+
+    def prefilled(self, item: Item):
+        """``item``'s prompt is cached: it decodes from the next step on."""
+        self.table.prompt_in(item.slot)
+        self.move(item, State.DECODING)
 
     def running(self) -> list[Item]:
         return [it for it in self.by_slot if it is not None and it.state is State.DECODING]
@@ -136,7 +146,7 @@ class ItemProcessor:
             self.move(item, State.PREFILLING)
             item.t_admit = time.perf_counter()
             self.by_slot[item.slot] = item
-            self.prefilling.append(item)
+            self.table.admit(item.slot)
             admitted.append(item)
         return admitted
 
@@ -217,10 +227,9 @@ class ItemProcessor:
                 self.waiting.remove(item)
             except ValueError:
                 pass
-        if item in self.prefilling:
-            self.prefilling.remove(item)
         if item.slot >= 0 and self.by_slot[item.slot] is item:
             self.by_slot[item.slot] = None
+            self.table.release(item.slot)
             self.free.append(item.slot)
             self.free.sort()
         self.move(item, State.FAILED if error is not None or reason == "error" else

@@ -1,7 +1,8 @@
 """The slot table: the Inferencer's device state, and the attention views the model runs through.
 
 Each of the ``b`` slots holds one item's K/V cache, preallocated once for every layer
-as ``[b, kv_heads, capacity, head_dim]``.  Column ``max_len`` is a trash column:
+as ``[b, kv_heads, capacity, head_dim]``; ``lengths[b]`` says how many tokens each holds
+and ``new_batch_idx[b]`` which slots still await their prompt, as in the seed design.  Column ``max_len`` is a trash column:
 writes of padding and of idle rows land there, so no real position is ever clobbered
 and no shape has to change.  The model never sees slots: it calls ``ctx.update`` and
 ``ctx.mask`` on one of the views below, exactly as on the single-sequence cache.
@@ -10,6 +11,7 @@ and no shape has to change.  The model never sees slots: it calls ``ctx.update``
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .cache import window_mask
 
@@ -25,6 +27,32 @@ class SlotTable:
         self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
         self.values = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
         mx.eval(self.keys, self.values)
+        # Host-side, per slot: tokens cached (0: empty; a decode step writes its token there), and
+        # a newly admitted slot's place in the prefill queue, FIFO (-1: not new, its prompt is in).
+        self.lengths = np.zeros(slots, dtype=np.int32)
+        self.new_batch_idx = np.full(slots, -1, dtype=np.int32)
+
+    def admit(self, slot: int):
+        """``slot`` takes a new item: empty, its prompt last in the prefill queue."""
+        self.lengths[slot] = 0
+        self.new_batch_idx[slot] = int(np.count_nonzero(self.new_batch_idx >= 0))
+
+    def new_slots(self) -> list[int]:
+        """The slots whose prompt is still (partly) to prefill, in admission order."""
+        new = np.flatnonzero(self.new_batch_idx >= 0)
+        return new[np.argsort(self.new_batch_idx[new])].tolist()
+
+    def prompt_in(self, slot: int):
+        """``slot``'s prompt is cached: it leaves the prefill queue."""
+        i = self.new_batch_idx[slot]
+        if i >= 0:
+            self.new_batch_idx[self.new_batch_idx > i] -= 1
+            self.new_batch_idx[slot] = -1
+
+    def release(self, slot: int):
+        """``slot`` is empty again."""
+        self.prompt_in(slot)
+        self.lengths[slot] = 0
 
     @property
     def nbytes(self) -> int:

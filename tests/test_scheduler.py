@@ -4,7 +4,7 @@ state that has not ended), and it ends in exactly one terminal state that matche
 handle reports."""
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotinfer.engine import Engine
@@ -90,3 +90,101 @@ def test_a_handle_hears_its_cancel_through_one_path_from_the_moment_it_is_made(m
     engine.run_until_done()
     assert early.state is late.state is State.CANCELLED
     assert early.handle.result(0).finish_reason == late.handle.result(0).finish_reason == "cancelled"
+
+
+def paths(moves) -> dict:
+    """Each item's states, in order, from the recorded moves (checked to chain)."""
+    out = {}
+    for rid, frm, to in moves:
+        path = out.setdefault(rid, [frm])
+        assert path[-1] is frm
+        path.append(to)
+    return out
+
+
+def check_path(path, item):
+    assert path[0] is State.WAITING
+    assert all(b in TRANSITIONS[a] for a, b in zip(path, path[1:])), path
+    assert [s for s in path if s.ended] == [path[-1]] and item.state is path[-1], path
+
+
+def check_table(engine):
+    """The slot table's lengths and new_batch_idx agree with the items in the slots."""
+    table, by_slot = engine.table, engine.items.by_slot
+    new = sorted(int(i) for i in table.new_batch_idx if i >= 0)
+    assert new == list(range(len(new)))  # a FIFO of the slots still prefilling, without gaps
+    for slot, it in enumerate(by_slot):
+        assert (table.new_batch_idx[slot] >= 0) == (it is not None and it.state is State.PREFILLING)
+        want = 0 if it is None else it.prefilled if it.state is State.PREFILLING else len(it.prompt) + it.issued - 1
+        assert table.lengths[slot] == want
+    assert engine.items.prefilling() == sorted(
+        (it for it in by_slot if it is not None and it.state is State.PREFILLING), key=lambda it: it.t_admit)
+
+
+class _Raise:
+    """An on_token callback that raises at its ``n``-th token: it fails its own request."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __call__(self, ev):
+        self.n -= 1
+        if self.n < 0:
+            raise ValueError("a consumer's bug")
+
+
+_submit = st.tuples(st.just("submit"), st.integers(1, 30), st.integers(1, 8), st.booleans(),
+                    st.one_of(st.none(), st.integers(0, 4)))
+_ENDS = {"cancelled": State.CANCELLED, "error": State.FAILED, "stop": State.FINISHED, "length": State.FINISHED}
+
+
+def _close(engine, items, drain):
+    if not drain:
+        for it in items:
+            it.handle.cancel()
+    engine.run_until_done()
+
+
+@given(ops=st.lists(st.one_of(_submit, _submit, st.tuples(st.just("cancel"), st.integers(0, 20)),
+                              st.tuples(st.just("step"), st.integers(1, 4)), st.tuples(st.just("fail")),
+                              st.tuples(st.just("close"), st.booleans())), max_size=25),
+       prefill=st.sampled_from([4, 512]))
+@settings(max_examples=8 * settings.default.max_examples)  # ~10 ms each: orders of prefills need many
+def test_submit_cancel_step_fail_close_keep_items_and_slot_table_in_step(models, recorded, ops, prefill):
+    """After every operation, each item is where its path says and the slot table's lengths and
+    new_batch_idx match the items in the slots; at the end every path is one of the table's."""
+    recorded.clear()
+    engine = Engine(models["llama"], slots=3, max_len=48, prefill_tokens=prefill)
+    items = []
+    for op in ops:
+        if op[0] == "submit":
+            _, n, max_tokens, ignore_eos, raise_at = op
+            it = engine.make_item([3 + (7 * i + n) % 400 for i in range(n)], max_tokens=max_tokens,
+                                  ignore_eos=ignore_eos, on_token=None if raise_at is None else _Raise(raise_at))
+            engine.add(it)
+            items.append(it)
+        elif op[0] == "cancel" and items:
+            items[op[1] % len(items)].handle.cancel()
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                if engine.busy:
+                    engine.step_or_fail()
+        elif op[0] == "fail":
+            engine.fail_all(RuntimeError("the device went away"))
+        elif op[0] == "close":
+            _close(engine, items, drain=op[1])
+        for it in items:
+            assert (it.slot >= 0 and engine.items.by_slot[it.slot] is it) == (
+                it.state in (State.PREFILLING, State.DECODING))
+        check_table(engine)
+    _close(engine, items, drain=True)
+    walked = paths(recorded)
+    for it in items:
+        check_path(walked[it.id], it)
+        try:
+            reason = it.handle.result(0).finish_reason
+        except EngineError:
+            reason = "error"
+        assert _ENDS[reason] is it.state
+    assert engine.items.finished == len(items)
+    assert sorted(engine.items.free) == [0, 1, 2] and not engine.busy
