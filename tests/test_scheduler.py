@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slotinfer import Inferencer
 from slotinfer.engine import Engine
-from slotinfer.errors import EngineError
+from slotinfer.errors import EngineError, QueueFull
 from slotinfer.item_processor import TRANSITIONS, ItemProcessor, State
 
 STEPS = 60
@@ -188,3 +189,33 @@ def test_submit_cancel_step_fail_close_keep_items_and_slot_table_in_step(models,
         assert _ENDS[reason] is it.state
     assert engine.items.finished == len(items)
     assert sorted(engine.items.free) == [0, 1, 2] and not engine.busy
+
+
+@given(ops=st.lists(st.one_of(st.tuples(st.just("submit"), st.integers(1, 20), st.integers(1, 6)),
+                              st.tuples(st.just("cancel"), st.integers(0, 20))), max_size=16),
+       drain=st.booleans(), max_queue=st.sampled_from([0, 2]))
+def test_through_the_inferencer_every_request_ends_once_in_the_item_processor(models, recorded, ops, drain,
+                                                                             max_queue):
+    """Requests cancelled in the Inferencer's own queue, in a slot, or never, each walk the table
+    to one end through the item processor, which the Inferencer leaves holding nothing."""
+    recorded.clear()
+    inf = Inferencer(models["llama"], slots=2, max_len=48, max_queue=max_queue)
+    handles = []
+    for op in ops:
+        if op[0] == "submit":
+            try:
+                handles.append(inf.submit([3 + (5 * i + op[1]) % 400 for i in range(op[1])], max_tokens=op[2],
+                                          ignore_eos=True, block=False))
+            except QueueFull:
+                pass
+        elif handles:
+            handles[op[1] % len(handles)].cancel()
+    inf.close(drain=drain)
+    walked = paths(recorded)
+    for h in handles:  # one cancelled may have ended before its cancellation was heard
+        want = ("length",) if drain and not h.cancel_requested else ("cancelled", "length")
+        assert h.result(0).finish_reason in want
+        assert walked[h.id][0] is State.WAITING and walked[h.id][-1] is _ENDS[h.result(0).finish_reason]
+        assert all(b in TRANSITIONS[a] for a, b in zip(walked[h.id], walked[h.id][1:]))
+    assert inf.engine.items.finished == len(handles)
+    assert inf.engine.in_flight() == [] and inf.engine.room() == 2
