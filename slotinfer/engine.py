@@ -144,9 +144,9 @@ class Engine:
     def add(self, item: Item):
         self.items.add(item)
 
-    def cancelled_before_add(self) -> list[Item]:
-        """Items made here and cancelled before :meth:`add`: whoever queues them ends them by adding them."""
-        return self.items.cancelled_unheld()
+    def waiting_for_slots(self) -> int:
+        """Items added that no free slot awaits: the engine's backlog."""
+        return max(0, -self.items.room())
 
     def in_flight(self) -> list[Item]:
         """What the engine holds that has not ended: waiting, then in slots."""
@@ -293,9 +293,14 @@ class Engine:
 
     def fail_all(self, error: BaseException):
         """The device step itself failed: end every item in flight with the cause."""
-        for item in self.items.in_flight():
-            self.items.finish(item, "error", EngineError(f"the engine failed: {error!r}"))
+        self.fail(self.items.in_flight(), EngineError(f"the engine failed: {error!r}"))
         self._pending = None
+
+    def fail(self, items, error: BaseException):
+        """End ``items`` (made here: in flight, or never added) with ``error``, through the item
+        processor like every other end."""
+        for item in items:
+            self.items.finish(item, "error", error)
 
     # -- reporting --------------------------------------------------------------
 

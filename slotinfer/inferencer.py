@@ -8,6 +8,10 @@ A background thread owns the slot table and runs the engine loop; producers on a
 thread (or an asyncio loop) submit requests and get :class:`Handle` objects back.
 Worker threads outlive their Inferencer and serve the next one (see :class:`_Workers`).
 
+The Inferencer only hands work between threads: a request waits for its slot in the
+engine's one queue, and every request ends through the engine's item processor, even when
+the worker itself fails or the Inferencer is dropped unclosed.
+
 Why one module: the thread handoff, the asyncio API, serve_queue and the worker's lifecycle
 share one lock and one inbox.
 """
@@ -128,11 +132,12 @@ class Inferencer:
             raise ValueError(f"max_queue must be an int >= 0 (0: unbounded), got {max_queue!r}")
         self.engine = Engine(model, slots=slots, max_len=max_len, prefill_tokens=prefill_tokens)
         self.model = model
-        # Requests not yet handed to the engine.  The worker takes only as many as free slots
-        # can admit, so ``max_queue`` bounds everything waiting and the engine's own lists stay
-        # as short as the slot table however many requests an offline job queues.  Submitting,
-        # closing and the worker's decision to exit all happen under this condition.
+        # The handoff between threads: requests submitted since the worker's last turn, which
+        # moves them all into the engine's one waiting queue.  ``_backlog`` is the worker's count
+        # of those no free slot awaits; with the inbox it is what ``max_queue`` bounds.
+        # Submitting, closing and the worker's decision to exit all happen under this condition.
         self._inbox: deque = deque()
+        self._backlog = 0
         self._max_queue = max_queue
         self._cv = threading.Condition()
         self._closed = False
@@ -142,7 +147,7 @@ class Inferencer:
         self._failure: EngineError | None = None  # set if the loop itself failed (a bug): every request gets it
         self._accepted = self._refused = 0  # requests queued; requests refused at submit (full queue, closed)
         # not at exit: there _close_live cancels what is still running, as close() would
-        weakref.finalize(self, _abandoned, self._inbox, self.engine.in_flight).atexit = False
+        weakref.finalize(self, _abandoned, self._inbox, self.engine).atexit = False
         if start:
             self.start()
 
@@ -284,9 +289,9 @@ class Inferencer:
             bound = self._max_queue
             on_worker = self._worker is threading.current_thread()  # from an on_token callback
             if bound and block and not self._closed and not on_worker:
-                self._cv.wait_for(lambda: self._closed or len(self._inbox) < bound, timeout)
+                self._cv.wait_for(lambda: self._closed or self._queued() < bound, timeout)
             self._check_open()
-            if bound and len(self._inbox) >= bound:
+            if bound and self._queued() >= bound:
                 how = ("is full, and a submit from the worker thread (an on_token callback) cannot wait for "
                        "room that only that thread makes; submit from another thread, or retry later" if on_worker
                        else f"stayed full for {timeout} s; retry later, wait longer, or raise max_queue" if block
@@ -294,12 +299,16 @@ class Inferencer:
                 raise QueueFull(f"the admission queue ({bound} waiting) {how}")
             self._accepted += 1
             if self._failure is not None:  # the loop is gone: end at once rather than wait for it
-                item.handle._finish(error=self._failure)
+                self.engine.fail([item], self._failure)
                 return
             self._inbox.append(item)
             if self._done is not None:
                 _working.add(self)
             self._cv.notify_all()
+
+    def _queued(self) -> int:
+        """Requests waiting for a slot (under the condition)."""
+        return len(self._inbox) + self._backlog
 
     def _count_refused(self):
         with self._cv:
@@ -395,29 +404,27 @@ class Inferencer:
             pending = [*self._inbox, *self.engine.in_flight()]
             self._inbox.clear()
             self._cv.notify_all()
-        for item in pending:
-            item.handle._finish(error=self._failure)
+        self.engine.fail(pending, self._failure)
 
     def _take(self, block: bool) -> bool:
-        """Move requests from the inbox to the engine; True when the worker should exit."""
+        """Hand every submitted request to the engine; True when the worker should exit."""
         engine = self.engine
         with self._cv:
+            self._recount(self._queued())  # the last step may have admitted some
             if block and not self._inbox and not self._closed:
                 self._cv.wait(timeout=0.1)
-            for item in engine.cancelled_before_add():  # cancelled while queued: ends now, not when a slot frees
-                try:
-                    self._inbox.remove(item)
-                except ValueError:
-                    continue  # not queued yet (or refused): it ends when it is added, if ever
-                engine.add(item)  # which ends it at its next step
-            room = len(self._inbox)
-            if not self._cancel_all:
-                room = min(room, engine.room())
-            for _ in range(max(room, 0)):
+            queued = self._queued()
+            while self._inbox:
                 engine.add(self._inbox.popleft())
-            if room > 0:
-                self._cv.notify_all()  # room for a blocked submit
-            return self._closed and not self._inbox and not engine.busy
+            self._recount(queued)  # those a free slot awaits no longer count
+            return self._closed and not engine.busy
+
+    def _recount(self, queued: int):
+        """Count the engine's backlog again (under the condition), waking a blocked submit if fewer
+        than ``queued`` requests now wait for a slot."""
+        self._backlog = self.engine.waiting_for_slots()
+        if self._queued() < queued:
+            self._cv.notify_all()
 
 
 def _work(ref):
@@ -441,13 +448,12 @@ def _work(ref):
         _working.discard(inf)
 
 
-def _abandoned(inbox, in_flight):
+def _abandoned(inbox, engine):
     """An Inferencer freed without :meth:`~Inferencer.close` (one never started, say): end what it
     still held, so no request hangs."""
-    error = EngineClosed("the Inferencer was dropped (garbage-collected) without close() while this request "
-                         "was pending; close it, or use it in a `with` block, to let its requests finish")
-    for item in [*inbox, *in_flight()]:
-        item.handle._finish(error=error)
+    engine.fail([*inbox, *engine.in_flight()], EngineClosed(
+        "the Inferencer was dropped (garbage-collected) without close() while this request was pending; "
+        "close it, or use it in a `with` block, to let its requests finish"))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The ItemProcessor: the host side of the loop, and the one owner of a request's lifecycle.
 
-It owns every request's record (:class:`Item`), the FIFO of waiting items and the
-free-slot list.  Each step it takes the tokens the device produced, appends them,
+It owns every request's record (:class:`Item`), the one FIFO of waiting items (the
+Inferencer only hands requests over to it, between threads) and the free-slot list.  Each step it takes the tokens the device produced, appends them,
 streams text, finishes items (EOS / stop token / stop string / max_tokens /
 cancellation), frees their slots and admits waiting items into them.
 
@@ -90,8 +90,6 @@ class ItemProcessor:
         # Cancellations arrive here (from any thread) instead of being found by scanning every
         # waiting item each step, which would cost a step O(queue) in an offline job of millions.
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
-        self._cancelled_held: list[Item] = []  # heard of, ended at the next step
-        self._cancelled_unheld: list[Item] = []  # cancelled before add(): still queued by whoever made them
 
     @property
     def busy(self) -> bool:
@@ -150,23 +148,15 @@ class ItemProcessor:
             admitted.append(item)
         return admitted
 
-    def _hear_cancelled(self):
+    def reap_cancelled(self):
+        """End the cancelled items held (a no-op for one that ended meanwhile).
+
+        One cancelled before :meth:`add` is passed over: :meth:`add` hears of it again.
+        """
         while not self.cancelled.empty():
             item = self.cancelled.get()
-            (self._cancelled_held if item.held else self._cancelled_unheld).append(item)
-
-    def reap_cancelled(self):
-        """End the cancelled items held (a no-op for one that ended meanwhile)."""
-        self._hear_cancelled()
-        held, self._cancelled_held = self._cancelled_held, []
-        for item in held:
-            self.finish(item, "cancelled")
-
-    def cancelled_unheld(self) -> list[Item]:
-        """The items cancelled before :meth:`add`, each reported once; ends none (no callback runs here)."""
-        self._hear_cancelled()
-        out, self._cancelled_unheld = self._cancelled_unheld, []
-        return out
+            if item.held:
+                self.finish(item, "cancelled")
 
     def accept(self, item: Item, token: int, logprob=None, top=None) -> bool:
         """Append one generated token; returns True when the item finished."""

@@ -15,6 +15,7 @@ import slotinfer
 from slotinfer.cache import SequenceCache
 from slotinfer.engine import Engine
 from slotinfer.errors import EngineError, QueueFull
+from slotinfer.item_processor import ItemProcessor, State
 
 PROMPT = "Hello there, how are you today?"
 OTHER = "The quick brown fox jumps over the lazy dog."
@@ -169,10 +170,12 @@ def test_a_callback_submitting_to_a_full_queue_never_deadlocks_the_worker(models
 
 def test_a_dead_worker_ends_every_pending_and_future_handle(models, monkeypatch):
     """Should the loop itself ever fail (a bug, injected here into the worker's step), no
-    request hangs: those in flight and queued, and any submitted later, end with EngineError."""
+    request hangs: those in flight and queued, and any submitted later, end with EngineError,
+    each failed by a move of the item processor like every other end."""
     m = models["qwen3"]
-    reported = []
+    reported, moves, move = [], [], ItemProcessor.move
     monkeypatch.setattr("sys.excepthook", lambda *exc: reported.append(exc[1]))
+    monkeypatch.setattr(ItemProcessor, "move", lambda self, it, to: (moves.append((it.id, to)), move(self, it, to))[1])
     inf = slotinfer.Inferencer(m, slots=1, max_len=4096, start=False)
     handles = [inf.submit(p, **LONG) for p in (PROMPT, OTHER, "x")]
     real, steps = inf.engine.step_or_fail, []
@@ -192,6 +195,9 @@ def test_a_dead_worker_ends_every_pending_and_future_handle(models, monkeypatch)
     later = inf.submit(PROMPT, max_tokens=3)
     with pytest.raises(EngineError, match="injected bug"):
         later.result(timeout=10)
+    ends = {h.id: [to for rid, to in moves if rid == h.id] for h in [*handles, later]}
+    assert ends[handles[0].id] == [State.PREFILLING, State.DECODING, State.FAILED]
+    assert [ends[h.id][-1] for h in handles[1:]] == [State.FAILED] * 2 and ends[later.id] == [State.FAILED]
     _in_thread(lambda: inf.close(timeout=30))
     assert inf._done.is_set() and isinstance(reported[0], _Custom)
     with slotinfer.Inferencer(m, slots=1, max_len=64) as again:  # the worker thread serves on

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from slotinfer import Inferencer
 from slotinfer.engine import Engine
-from slotinfer.errors import EngineError, QueueFull
+from slotinfer.errors import EngineClosed, EngineError, QueueFull
 from slotinfer.item_processor import TRANSITIONS, ItemProcessor, State
 
 STEPS = 60
@@ -75,14 +75,15 @@ def test_a_move_outside_the_table_is_refused(models):
 
 def test_a_handle_hears_its_cancel_through_one_path_from_the_moment_it_is_made(models):
     """The item processor hooks a request's cancel() as the engine makes it, once: adding it, or the
-    Inferencer queueing it, never replaces the hook, and a cancel before add() is reported to
-    whoever still queues the item rather than lost."""
+    Inferencer queueing it, never replaces the hook, and a cancel heard before add() is not lost:
+    add() hears it again."""
     engine = Engine(models["qwen3"], slots=1, max_len=32)
     early, late = engine.make_item([5, 6, 7], max_tokens=4), engine.make_item([5, 6], max_tokens=4)
     hooks = early.handle._on_cancel, late.handle._on_cancel
     assert None not in hooks
     early.handle.cancel()
-    assert engine.cancelled_before_add() == [early] and engine.cancelled_before_add() == []
+    engine.items.reap_cancelled()  # heard while not yet added: passed over
+    assert early.state is State.WAITING and not early.handle.done()
     engine.add(early)
     engine.add(late)
     assert late.handle._on_cancel is hooks[1]
@@ -219,3 +220,48 @@ def test_through_the_inferencer_every_request_ends_once_in_the_item_processor(mo
         assert all(b in TRANSITIONS[a] for a, b in zip(walked[h.id], walked[h.id][1:]))
     assert inf.engine.items.finished == len(handles)
     assert inf.engine.in_flight() == [] and inf.engine.room() == 2
+
+
+def test_a_dropped_never_started_inferencer_ends_its_requests_through_the_table(models, recorded):
+    import gc
+
+    recorded.clear()
+    held = []
+
+    def one():
+        inf = Inferencer(models["qwen3"], slots=1, max_len=64, start=False)
+        held.extend(inf.submit([5 + i, 6], max_tokens=2) for i in range(2))
+
+    one()
+    gc.collect()
+    walked = paths(recorded)
+    for h in held:
+        with pytest.raises(EngineClosed, match="dropped"):
+            h.result(timeout=10)
+        assert walked[h.id] == [State.WAITING, State.FAILED]
+
+
+@given(n=st.integers(1, 12), max_queue=st.sampled_from([0, 3, 5]))
+@settings(max_examples=10, deadline=None)
+def test_requests_wait_in_one_queue_and_max_queue_bounds_those_no_slot_awaits(models, n, max_queue):
+    """Once the worker has turned, every request it was given waits in the engine's one FIFO, in
+    submission order, and no more than ``max_queue`` wait with no free slot for them."""
+    import time
+
+    inf = Inferencer(models["llama"], slots=2, max_len=4096, max_queue=max_queue)
+    running = [inf.submit([5 + i, 6], max_tokens=4000, ignore_eos=True) for i in range(2)]
+    for h in running:
+        next(iter(h))  # both slots are busy
+    queued = []
+    for i in range(n):
+        try:
+            queued.append(inf.submit([9 + i, 6], max_tokens=2, block=False))
+        except QueueFull:
+            pass
+    time.sleep(0.3)  # several worker turns
+    waiting = [it for it in inf.engine.in_flight() if it.state is State.WAITING]
+    assert [it.handle for it in waiting] == queued
+    assert len(queued) == (n if not max_queue else min(n, max_queue))
+    assert inf.stats()["waiting"] == len(queued)
+    inf.close(drain=False)
+    assert {h.result(timeout=30).finish_reason for h in [*running, *queued]} == {"cancelled"}
