@@ -28,12 +28,21 @@ import numpy as np
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
 from slotinfer.cli.bench import MIXED_MAX_LEN as MAX_LEN
-from slotinfer.cli.bench import mixed_requests, prefill_alone_s
+from slotinfer.cli.bench import mixed_inferencer, mixed_requests
 from slotinfer.decoder import SPAN_BUCKET
 from slotinfer.cli.demo import demo_model_path
 from slotinfer.engine import Engine
 
 from schedules import diluted_ratio, schedule_spans, schedule_steps  # benchmarks/, beside this script
+
+
+def prefill_alone_s(model, slots: int, prompts) -> float:
+    """Wall time of the prompts' prefill alone: every request with ``max_tokens=1`` on a fresh
+    :func:`~slotinfer.cli.bench.mixed_inferencer`."""
+    with mixed_inferencer(model, slots) as inf:
+        t0 = time.perf_counter()
+        [h.result() for h in [inf.submit(p, max_tokens=1, ignore_eos=True) for p in prompts]]
+        return time.perf_counter() - t0
 
 
 def step_times(model, slots: int, spans, rounds: int, steps: int) -> dict:

@@ -15,7 +15,7 @@ import slotinfer
 from slotinfer.cache import SequenceCache
 from slotinfer.classify import classify, encode_labels
 from slotinfer.cli.classify import main
-from slotinfer.cli.jobs import done_ids, parse_template
+from slotinfer.cli.jobs import parse_template, resume
 from slotinfer.encoder import SegmentView, plan_batches
 from slotinfer.errors import InvalidRequestError, PromptTooLongError
 from slotinfer.testing import FAMILIES, make_tiny_model
@@ -265,7 +265,7 @@ def test_cli_jsonl_and_resume(tiny, tmp_path):
 def test_cli_resume_cuts_an_unfinished_last_line(tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": 1, "label": "x"}\n{"id": 2, "lab')
-    assert done_ids(str(out)) == {"1"}
+    assert resume(str(out)).done == {"1"}
     assert out.read_text() == '{"id": 1, "label": "x"}\n'
 
 

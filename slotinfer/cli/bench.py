@@ -159,15 +159,6 @@ def mixed_inferencer(model, slots: int):
     return slotinfer.Inferencer(model, slots=slots, max_len=MIXED_MAX_LEN, prefill_tokens=512)
 
 
-def prefill_alone_s(model, slots: int, prompts) -> float:
-    """Wall time of the prompts' prefill alone: every request with ``max_tokens=1`` on a fresh
-    :func:`mixed_inferencer`."""
-    with mixed_inferencer(model, slots) as inf:
-        t0 = time.perf_counter()
-        [h.result() for h in [inf.submit(p, max_tokens=1, ignore_eos=True) for p in prompts]]
-        return time.perf_counter() - t0
-
-
 def bench_model(args):
     """``--model``, ``--random-shape``, else the default model when it loads here, else the shape."""
     if args.model or args.random_shape:

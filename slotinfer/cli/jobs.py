@@ -88,11 +88,6 @@ def check_not_input(output: str, source) -> None:
                          "choose another output file")
 
 
-def done_ids(path: str, run: str | None = None, fields=("label", "error")) -> set[str]:
-    """Ids already in an output file this tool wrote; see :func:`resume`."""
-    return resume(path, run, fields).done
-
-
 def resume(path: str, run: str | None = None, fields=("label", "error")) -> Resume:
     """Read an existing output file before appending to it, refusing any file this tool did not write.
 
