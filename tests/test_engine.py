@@ -190,6 +190,22 @@ def test_asyncio_generate_and_stream(models):
     assert "".join(e.text for e in events) == want.text
 
 
+def test_asyncio_chat_and_stream_chat_render_the_models_template(models):
+    m = models["qwen3"]
+    messages = [{"role": "user", "content": "Say something."}]
+    want = m.chat(messages, max_tokens=6, ignore_eos=True)
+
+    async def main(inf):
+        c = await inf.chat_async(messages, max_tokens=6, ignore_eos=True)
+        events = [ev async for ev in inf.stream_chat_async(messages, max_tokens=6, ignore_eos=True)]
+        return c, events
+
+    with slotinfer.Inferencer(m, slots=2, max_len=128) as inf:
+        c, events = asyncio.run(main(inf))
+    assert c.prompt_tokens == len(m.encode_prompt(m.apply_chat_template(messages))) != len(m.encode_prompt(messages[0]["content"]))
+    assert c.tokens == want.tokens == [e.token for e in events]
+
+
 def test_serve_queue_from_producer_threads(models):
     m = models["gemma3_text"]
     in_q, out_q = queue.Queue(), queue.Queue()
