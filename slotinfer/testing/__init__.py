@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 from ..models.config import parse_config
 from ..models.families import FAMILIES as _RECORDS
-from ..models.families import Family, sliding_layers
+from ..models.families import Family, decoder_family, sliding_layers
 from .tokenizers import _tokenizer_bundle
 from .weights import _groups, _split_shards, _tensor_plan, _write_safetensors
 
@@ -129,7 +129,7 @@ _VISION_CONFIG = {
 
 def _full_config(fam: Family, style: str, dims: dict, facts: dict, torch_dtype: str,
                  overrides: Mapping[str, Any]) -> dict:
-    text = _text_config(_RECORDS[fam.decoder or fam.model_type], style, dims, facts, torch_dtype, bool(fam.decoder))
+    text = _text_config(decoder_family(fam.model_type), style, dims, facts, torch_dtype, bool(fam.decoder))
     if not fam.decoder:
         text.update(copy.deepcopy(dict(overrides)))
         return text
@@ -198,7 +198,7 @@ def make_tiny_model(
             raise ValueError(f"unknown quantize keys {sorted(unknown)}")
 
     fam = _RECORDS[family]
-    decoder = _RECORDS[fam.decoder or family]
+    decoder = decoder_family(family)
     tok_text, facts = _tokenizer_bundle(fam.tokenizer)
     dims = {k: decoder.example.get(k, v) for k, v in DEFAULT_DIMS.items()}
     dims["vocab_size"] = _round_up(facts["size"], 64)
