@@ -178,7 +178,7 @@ def read(path: Path):
     tensor data is read."""
     tensors, scanned = scan(path)
     source = path.name
-    name, arch = architecture(scanned, source)
+    name, fam = architecture(scanned, source)
     # Llama 3.1+ rope scaling: the converter stores per-frequency factors instead of its parameters
     rope = next((t for t in tensors if t.name == "rope_freqs.weight" and t.type == 0), None)
     tensors = [t for t in tensors if t is not rope]
@@ -186,21 +186,21 @@ def read(path: Path):
     hf_names = {}
     for t in tensors:
         module, _, kind = t.name.rpartition(".")
-        own = module_name(arch, module)
+        own = module_name(fam, module)
         if own is None or kind not in ("weight", "bias"):
             raise UnsupportedModelError(f"{source}: tensor {t.name} has no counterpart in slotinfer's {name} "
                                         "model; load the model's safetensors release instead")
         hf_names[t.name] = f"{own}.{kind}"
     if "token_embd" not in by_module:
         raise WeightError(f"{source}: tensor token_embd.weight is missing; the file is incomplete, re-convert it")
-    cfg_raw = config_dict(scanned, name, arch, vocab_rows=by_module["token_embd"].shape[0],
+    cfg_raw = config_dict(scanned, name, fam, vocab_rows=by_module["token_embd"].shape[0],
                           tied="output" not in by_module, source=source,
                           rope_factors=None if rope is None else _f32(path, rope))
     try:
         cfg = parse_config(cfg_raw)
     except ModelLoadError as e:
         raise type(e)(f"{source}: its metadata gives a config slotinfer cannot run: {e}") from None
-    _check_shapes(cfg, arch, tensors, hf_names, source)
+    _check_shapes(cfg, fam, tensors, hf_names, source)
     try:
         weights, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
@@ -220,11 +220,11 @@ def read(path: Path):
             parts = {t.name.rsplit(".", 1)[1]: weights[t.name]}
         module = hf.rsplit(".", 1)[0]
         for kind, w in parts.items():
-            if arch.permuted_qk and module.endswith(("q_proj", "k_proj")):
+            if fam.permuted_qk and module.endswith(("q_proj", "k_proj")):
                 heads = cfg.num_heads if module.endswith("q_proj") else cfg.num_kv_heads
                 w = _unpermute(w, heads)
-            if arch.norm_shift and module.endswith("norm") and kind == "weight":
-                w = w.astype(mx.float32) - arch.norm_shift  # the loader adds the family's offset back
+            if fam.norm_offset and module.endswith("norm") and kind == "weight":
+                w = w.astype(mx.float32) - fam.norm_offset  # the loader adds the family's offset back
             out[f"{module}.{kind}"] = w
     return cfg, out, quant, meta
 
@@ -245,7 +245,7 @@ def _unpermute(w: mx.array, heads: int) -> mx.array:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _check_shapes(cfg, arch, tensors: list[TensorInfo], hf_names: dict, source: str) -> None:
+def _check_shapes(cfg, fam, tensors: list[TensorInfo], hf_names: dict, source: str) -> None:
     expected = expected_shapes(cfg)
     have = {hf_names[t.name]: t for t in tensors}
     dims = (f"hidden {cfg.hidden_size}, {cfg.num_heads} heads of {cfg.head_dim}, {cfg.num_kv_heads} kv heads, "
@@ -254,7 +254,7 @@ def _check_shapes(cfg, arch, tensors: list[TensorInfo], hf_names: dict, source: 
         t = have.get(hf)
         if t is None:
             module, kind = hf.rsplit(".", 1)
-            raise WeightError(f"{source}: tensor {gguf_module(arch, module)}.{kind} is missing; the metadata "
+            raise WeightError(f"{source}: tensor {gguf_module(fam, module)}.{kind} is missing; the metadata "
                               f"({dims}) asks for it, the file is incomplete: re-convert it")
         if tuple(t.shape) != tuple(shape):
             raise WeightError(f"{source}: tensor {t.name} has shape {t.shape}, but the metadata ({dims}) gives "

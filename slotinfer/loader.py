@@ -138,14 +138,6 @@ _ST_DTYPES = {"F64": mx.float64, "F32": mx.float32, "F16": mx.float16, "BF16": m
               "U64": mx.uint64, "I64": mx.int64, "BOOL": mx.bool_}
 
 
-def read_safetensors(folder: Path) -> dict[str, mx.array]:
-    """Every tensor of the folder's shards (checked by their headers first)."""
-    files = shard_files(folder)
-    for f in files:
-        read_header(f)
-    return _read_data(files)
-
-
 def _read_data(files: list[Path]) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     for f in files:

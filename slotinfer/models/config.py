@@ -5,9 +5,11 @@ Checkpoints come with two generations of keys: the classic ones (``rope_theta``,
 current transformers writes (``rope_parameters``, ``layer_types``).  Both are read;
 reading only one kind would silently run the wrong model.  GGUF files reach the same
 rules: :mod:`slotinfer.models.gguf_config` maps their metadata onto these keys.
+Which keys a family reads and its defaults come from its record in
+:mod:`slotinfer.models.families`; nothing here names a family.
 
-Why one module: every family's switches and the checks on their values sit together on purpose:
-adding a family means reading one file.
+Why one module: the ``ModelConfig`` switches, the checks on every value read into them and
+the tensors they imply sit together, so what a config means is read in one file.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, UnsupportedModelError
+from .families import FAMILIES, Family, family, sliding_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -159,7 +162,7 @@ def _rope(params: dict | None, theta: float | None, where: str) -> Rope:
     return rope
 
 
-def _layer_kinds(cfg: dict, n: int, default_pattern) -> tuple[bool, ...]:
+def _layer_kinds(cfg: dict, n: int, default: tuple[bool, ...]) -> tuple[bool, ...]:
     """Per layer: True where the layer uses sliding-window attention."""
     if cfg.get("layer_types") is not None:
         kinds = cfg["layer_types"]
@@ -173,7 +176,7 @@ def _layer_kinds(cfg: dict, n: int, default_pattern) -> tuple[bool, ...]:
             raise ConfigError(f"config.json: unknown layer_types {unknown[:3]!r}; each entry is "
                               "'sliding_attention' or 'full_attention'")
         return tuple(k == "sliding_attention" for k in kinds)
-    return tuple(default_pattern(i) for i in range(n))
+    return default
 
 
 def parse_config(raw: dict) -> ModelConfig:
@@ -181,25 +184,26 @@ def parse_config(raw: dict) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ConfigError("config.json must hold a JSON object")
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    fam = family(model_type)
+    if fam is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if model_type != "gemma3":
-        return _parse(raw, model_type, raw)
-    # multimodal wrapper: the decoder is its text part
+    if not fam.decoder:
+        return _parse(raw, fam, raw)
+    # a wrapper (multimodal): the decoder is its text part
     if not isinstance(raw.get("text_config"), dict):
-        raise ConfigError("config.json: model_type 'gemma3' needs a 'text_config' object")
-    cfg = {**raw["text_config"], "model_type": "gemma3_text"}
+        raise ConfigError(f"config.json: model_type {model_type!r} needs a 'text_config' object")
+    cfg = {**raw["text_config"], "model_type": fam.decoder}
     cfg.setdefault("quantization", raw.get("quantization"))
     try:
-        return _parse(cfg, model_type, raw)
+        return _parse(cfg, FAMILIES[fam.decoder], raw)
     except (ConfigError, UnsupportedModelError) as e:
         raise type(e)(f"{e} (in its 'text_config')") from None
 
 
-def _parse(cfg: dict, model_type: str, raw: dict) -> ModelConfig:
-    mt = cfg["model_type"]
+def _parse(cfg: dict, fam: Family, raw: dict) -> ModelConfig:
+    mt = fam.model_type
     for key in ("rope_scaling", "rope_parameters"):
         _rope_object(cfg.get(key), repr(key))
 
@@ -210,10 +214,8 @@ def _parse(cfg: dict, model_type: str, raw: dict) -> ModelConfig:
     if head_dim < 1 or head_dim % 2:
         raise ConfigError(f"config.json: the head size ('head_dim', or 'hidden_size' / 'num_attention_heads') is "
                           f"{head_dim}; rotary embeddings need an even size of at least 2")
-    rope_params = cfg.get("rope_parameters")
-    gemma = mt in ("gemma2", "gemma3_text")
     common = dict(
-        model_type=model_type,
+        model_type=raw["model_type"],
         hidden_size=hidden,
         intermediate_size=_need(cfg, "intermediate_size"),
         num_layers=layers,
@@ -223,87 +225,90 @@ def _parse(cfg: dict, model_type: str, raw: dict) -> ModelConfig:
         vocab_size=_need(cfg, "vocab_size"),
         rms_norm_eps=_opt(cfg, "rms_norm_eps", 1e-6, float, 0, 1),
         max_position_embeddings=_opt(cfg, "max_position_embeddings", 131072, int, 1),
-        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", gemma),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", fam.tie_word_embeddings),
         quantization=raw.get("quantization"),
     )
     if common["num_heads"] % common["num_kv_heads"]:
         raise ConfigError(f"config.json: {heads} attention heads is not a multiple of {common['num_kv_heads']} kv heads "
                           "('num_attention_heads', 'num_key_value_heads')")
-
-    if mt in ("llama", "qwen2", "qwen3"):
-        if rope_params and ("full_attention" in rope_params):
-            rope_params = rope_params["full_attention"]
-        rope = _rope(rope_params if rope_params else cfg.get("rope_scaling"), cfg.get("rope_theta", 10000.0),
-                     "'rope_parameters'" if rope_params else "'rope_scaling'")
-        return ModelConfig(
-            **common, rope=rope,
-            attn_bias=(mt == "qwen2") or _flag(cfg, "attention_bias", False),
-            o_bias=mt == "llama" and _flag(cfg, "attention_bias", False),
-            mlp_bias=_flag(cfg, "mlp_bias", False),
-            qk_norm=mt == "qwen3",
-        )
-
-    # Gemma 2 / Gemma 3
-    window = _need(cfg, "sliding_window")
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
-    if not isinstance(act, str) or act not in ("gelu_pytorch_tanh", "gelu"):
-        raise UnsupportedModelError(f"config.json: activation {act!r} ('hidden_activation') is not supported for {mt}")
-    scalar = _opt(cfg, "query_pre_attn_scalar", head_dim, float, 0)
-    if mt == "gemma2":
-        sliding = _layer_kinds(cfg, layers, lambda i: i % 2 == 0)
-        rope_params = rope_params.get("full_attention", rope_params) if rope_params else None
-        rope = _rope(rope_params, cfg.get("rope_theta", 10000.0), "'rope_parameters'")
-        local = None
-    else:
-        pattern = _opt(cfg, "sliding_window_pattern", 6, int, 1)
-        sliding = _layer_kinds(cfg, layers, lambda i: (i + 1) % pattern != 0)
-        if rope_params and "full_attention" in rope_params:
-            rope = _rope(rope_params["full_attention"], None, "'rope_parameters' of full_attention layers")
-            local = _rope(rope_params.get("sliding_attention"), 10000.0,
-                          "'rope_parameters' of sliding_attention layers")
-        else:
-            rope = _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", 1_000_000.0),
-                         "'rope_scaling' of full_attention layers")
-            local = Rope(theta=_opt(cfg, "rope_local_base_freq", 10000.0, float, 0))
+    switches = {}
+    if fam.sliding_period:
+        switches["sliding_window"] = _need(cfg, "sliding_window")
+    if fam.activation == "gelu_tanh":
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if not isinstance(act, str) or act not in ("gelu_pytorch_tanh", "gelu"):
+            raise UnsupportedModelError(f"config.json: activation {act!r} ('hidden_activation') is not supported "
+                                        f"for {mt}")
+    if fam.query_pre_attn_scalar:
+        switches["attn_scale"] = _opt(cfg, "query_pre_attn_scalar", head_dim, float, 0) ** -0.5
+    if fam.sliding_period:
+        period = _opt(cfg, "sliding_window_pattern", fam.sliding_period, int, 1) if fam.sliding_pattern_key \
+            else fam.sliding_period
+        switches["sliding_layers"] = _layer_kinds(cfg, layers, sliding_layers(layers, period))
+    rope, local = _ropes(cfg, fam)
+    if fam.bias_keys or fam.qkv_bias:
+        # short-circuits as it always has: Qwen 2's attention_bias is never read, its q/k/v biases are fixed
+        switches["attn_bias"] = fam.qkv_bias or _flag(cfg, "attention_bias", False)
+        switches["o_bias"] = fam.o_bias and _flag(cfg, "attention_bias", False)
+        switches["mlp_bias"] = fam.bias_keys and _flag(cfg, "mlp_bias", False)
+    if fam.attn_softcap:
+        switches["attn_softcap"] = _opt(cfg, "attn_logit_softcapping", None, float, 0)
+    if fam.final_softcap:
+        switches["final_softcap"] = _opt(cfg, "final_logit_softcapping", None, float, 0)
     return ModelConfig(
-        **common, rope=rope, local_rope=local,
-        qk_norm=mt == "gemma3_text",
-        norm_offset=1.0,
-        sandwich_norms=True,
-        embed_scale=math.sqrt(hidden),
-        attn_scale=scalar ** -0.5,
-        activation="gelu_tanh",
-        attn_softcap=_opt(cfg, "attn_logit_softcapping", None, float, 0) if mt == "gemma2" else None,
-        final_softcap=_opt(cfg, "final_logit_softcapping", None, float, 0),
-        sliding_window=window,
-        sliding_layers=sliding,
+        **common, rope=rope, local_rope=local, **switches,
+        qk_norm=fam.qk_norm,
+        norm_offset=fam.norm_offset,
+        sandwich_norms=fam.sandwich_norms,
+        embed_scale=math.sqrt(hidden) if fam.embed_scale else None,
+        activation=fam.activation,
     )
 
 
+def _ropes(cfg: dict, fam: Family) -> tuple[Rope, Rope | None]:
+    """The rope of full-attention layers, and that of sliding layers where the family gives them their own."""
+    params = cfg.get("rope_parameters")
+    if fam.local_rope_base is None:
+        if params and "full_attention" in params:
+            params = params["full_attention"]
+        if fam.rope_scaling and not params:
+            return _rope(cfg.get("rope_scaling"), cfg.get("rope_theta", fam.rope_theta), "'rope_scaling'"), None
+        return _rope(params or None, cfg.get("rope_theta", fam.rope_theta), "'rope_parameters'"), None
+    if params and "full_attention" in params:
+        return (_rope(params["full_attention"], None, "'rope_parameters' of full_attention layers"),
+                _rope(params.get("sliding_attention"), fam.local_rope_base,
+                      "'rope_parameters' of sliding_attention layers"))
+    return (_rope(cfg.get("rope_scaling"), cfg.get("rope_theta", fam.rope_theta),
+                  "'rope_scaling' of full_attention layers"),
+            Rope(theta=_opt(cfg, "rope_local_base_freq", fam.local_rope_base, float, 0)))
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """Every tensor a checkpoint of this config holds, with its dense shape."""
+    """Every tensor a checkpoint of this config holds, with its dense shape, in the order of the decoder's
+    modules (embedding, each layer from its input norm to its MLP, final norm, head)."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, H)
+    shapes = {"model.embed_tokens.weight": (V, H)}
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
         layer = {
-            "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+            "input_layernorm.weight": (H,),
             "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
             "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
-            "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
         }
         if cfg.attn_bias:
             layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
         if cfg.o_bias:
             layer["self_attn.o_proj.bias"] = (H,)
-        if cfg.mlp_bias:
-            layer |= {"mlp.gate_proj.bias": (I,), "mlp.up_proj.bias": (I,), "mlp.down_proj.bias": (H,)}
         if cfg.qk_norm:
             layer |= {"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+        layer["post_attention_layernorm.weight"] = (H,)
         if cfg.sandwich_norms:
             layer |= {"pre_feedforward_layernorm.weight": (H,), "post_feedforward_layernorm.weight": (H,)}
-        shapes |= {p + k: v for k, v in layer.items()}
+        layer |= {"mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+        if cfg.mlp_bias:
+            layer |= {"mlp.gate_proj.bias": (I,), "mlp.up_proj.bias": (I,), "mlp.down_proj.bias": (H,)}
+        shapes |= {f"model.layers.{i}.{k}": v for k, v in layer.items()}
+    shapes["model.norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
     return shapes

@@ -1,47 +1,23 @@
 """GGUF metadata -> the ``config.json`` keys :func:`~slotinfer.models.config.parse_config` reads.
 
 llama.cpp's GGUF files carry the config as ``general.architecture`` plus ``<arch>.*``
-keys, and name tensors its own way (``blk.N.attn_q``).  Every per-architecture rule of
-that format lives in :data:`ARCHITECTURES` and the two key tables below; the result is
-an ordinary config dict, so the family switches themselves stay in ``config.py``.
-
-Where a GGUF says nothing and llama.cpp (the format's reference reader) applies a fixed
-rule, the same rule is applied here, named in :class:`Arch`: Gemma's sliding-window
-period, the local rope base of Gemma 3, Gemma 2's attention scale.
+keys, and name tensors its own way (``blk.N.attn_q``).  The format's rules live here
+(the two key tables below); what differs per family (the converter's q/k permutation
+and norm shift, renamed tensors, the fixed rules llama.cpp applies where a file says
+nothing: Gemma's sliding-window period, Gemma 3's local rope base, Gemma 2's attention
+scale) is read from the family's record in :mod:`slotinfer.models.families`.  The
+result is an ordinary config dict, so the family switches themselves stay in ``config.py``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import ConfigError, UnsupportedModelError
 from .config import MAX_LAYERS
-
-
-@dataclass(frozen=True)
-class Arch:
-    model_type: str  # the config.json model_type the architecture runs as
-    permuted_qk: bool = False  # llama.cpp's converter interleaved the q/k rows of each head
-    norm_shift: float = 0.0  # added by the converter to every norm weight (Gemma stores 1 + w)
-    sliding_period: int = 0  # every n-th layer is global, the others sliding (llama.cpp's fixed pattern)
-    local_rope_base: float | None = None  # rope base of sliding layers when the file has none
-    tensors: dict = field(default_factory=dict)  # per-layer names that differ from _LAYER_TENSORS
-
-
-_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm"}
-
-ARCHITECTURES = {
-    "llama": Arch("llama", permuted_qk=True),
-    "qwen2": Arch("qwen2"),
-    "qwen3": Arch("qwen3"),
-    "gemma2": Arch("gemma2", norm_shift=1.0, sliding_period=2, tensors=_GEMMA_NORMS),
-    "gemma3": Arch("gemma3_text", norm_shift=1.0, sliding_period=6, local_rope_base=10000.0,
-                   tensors=_GEMMA_NORMS),
-}
+from .families import GGUF_ARCHITECTURES, Family, by_gguf_arch, sliding_layers
 
 # config.json key <- "<arch>.<suffix>", value kind, required
 _KEYS = (
@@ -69,31 +45,34 @@ _LAYER_TENSORS = {
 }
 
 
-def architecture(meta: dict, source: str) -> tuple[str, Arch]:
+def architecture(meta: dict, source: str) -> tuple[str, Family]:
+    """``general.architecture`` and the family whose decoder runs it (a value that is no string, such as
+    an array, is as unsupported as an unknown name)."""
     name = meta.get("general.architecture")
-    if name not in ARCHITECTURES:
+    fam = by_gguf_arch(name)
+    if fam is None:
         raise UnsupportedModelError(
             f"{source}: general.architecture = {name!r} is not supported; supported: "
-            f"{', '.join(ARCHITECTURES)} (convert the model's safetensors release instead, or use llama.cpp)"
+            f"{', '.join(GGUF_ARCHITECTURES)} (convert the model's safetensors release instead, or use llama.cpp)"
         )
-    return name, ARCHITECTURES[name]
+    return name, fam
 
 
-def module_name(arch: Arch, gguf_module: str) -> str | None:
+def module_name(fam: Family, gguf_module: str) -> str | None:
     """The checkpoint's module path of a GGUF tensor's base name (``blk.3.attn_q`` -> ``model.layers.3.self_attn.q_proj``)."""
     if gguf_module in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[gguf_module]
     parts = gguf_module.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
-        own = arch.tensors.get(parts[2]) or _LAYER_TENSORS.get(parts[2])
+        own = fam.gguf_tensors.get(parts[2]) or _LAYER_TENSORS.get(parts[2])
         if own is not None:
             return f"model.layers.{parts[1]}.{own}"
     return None
 
 
-def gguf_module(arch: Arch, module: str) -> str:
+def gguf_module(fam: Family, module: str) -> str:
     """The GGUF base name of a checkpoint module (the inverse of :func:`module_name`), for messages."""
-    names = {v: k for k, v in {**_LAYER_TENSORS, **arch.tensors}.items()}
+    names = {v: k for k, v in {**_LAYER_TENSORS, **fam.gguf_tensors}.items()}
     top = {v: k for k, v in GLOBAL_TENSORS.items()}
     parts = module.split(".", 3)
     if module in top:
@@ -103,14 +82,14 @@ def gguf_module(arch: Arch, module: str) -> str:
     return module
 
 
-def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: bool, source: str,
+def config_dict(meta: dict, name: str, fam: Family, *, vocab_rows: int, tied: bool, source: str,
                 rope_factors=None) -> dict:
     """The config.json dict of a GGUF's metadata (``vocab_rows``: the embedding's row count;
     ``rope_factors``: the ``rope_freqs`` tensor, when the file has one)."""
     def key(suffix):
         return f"{name}.{suffix}"
 
-    cfg = {"model_type": arch.model_type, "vocab_size": vocab_rows, "tie_word_embeddings": tied}
+    cfg = {"model_type": fam.model_type, "vocab_size": vocab_rows, "tie_word_embeddings": tied}
     for hf, suffix, kind, required in _KEYS:
         if key(suffix) in meta:
             cfg[hf] = _scalar(meta[key(suffix)], key(suffix), kind, source)
@@ -135,20 +114,31 @@ def config_dict(meta: dict, name: str, arch: Arch, *, vocab_rows: int, tied: boo
                           f"{cfg['rope_theta']!r}; the file is damaged, re-convert it")
     cfg["rope_scaling"] = _rope_scaling(meta, key, source)
     if rope_factors is not None:
-        if cfg["rope_scaling"] is not None or not arch.permuted_qk:
+        if cfg["rope_scaling"] is not None or not fam.gguf_rope_freqs:
             raise UnsupportedModelError(f"{source}: tensor rope_freqs.weight (per-frequency rope factors) is only "
                                         "read as Llama 3's rope scaling, in a llama file without other scaling")
         cfg["rope_scaling"] = llama3_scaling(rope_factors, cfg["rope_theta"], head_dim, source)
-    if arch.norm_shift:  # Gemma
-        _gemma(cfg, meta, key, arch, source)
+    _family_rules(cfg, meta, key, fam, source)
     return cfg
 
 
-def _gemma(cfg: dict, meta: dict, key, arch: Arch, source: str) -> None:
-    if "sliding_window" not in cfg:
+def _family_rules(cfg: dict, meta: dict, key, fam: Family, source: str) -> None:
+    """The config.json keys a family needs that the converter does not write (llama.cpp's fixed rules)."""
+    if fam.sliding_period and "sliding_window" not in cfg:
         raise ConfigError(f"{source}: metadata key {key('attention.sliding_window')!r} is missing; "
-                          f"{arch.model_type} needs it")
-    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+                          f"{fam.model_type} needs it")
+    if fam.activation == "gelu_tanh":
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    if fam.query_pre_attn_scalar:
+        _attn_scalar(cfg, meta, key, fam, source)
+    if fam.sliding_period:
+        cfg["layer_types"] = ["sliding_attention" if s else "full_attention"
+                              for s in _sliding(cfg["num_hidden_layers"], meta, key, fam, source)]
+    if fam.local_rope_base is not None:
+        cfg.setdefault("rope_local_base_freq", fam.local_rope_base)
+
+
+def _attn_scalar(cfg: dict, meta: dict, key, fam: Family, source: str) -> None:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // max(cfg["num_attention_heads"], 1)
     if key("attention.scale") in meta:
         scale = _scalar(meta[key("attention.scale")], key("attention.scale"), float, source)
@@ -156,23 +146,24 @@ def _gemma(cfg: dict, meta: dict, key, arch: Arch, source: str) -> None:
             raise ConfigError(f"{source}: metadata key {key('attention.scale')!r} must be a positive number, got "
                               f"{scale!r}; the file is damaged, re-convert it")
         cfg["query_pre_attn_scalar"] = 1.0 / (scale * scale)
-    elif arch.model_type == "gemma2" and cfg["num_hidden_layers"] == 46:
-        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] / max(cfg["num_attention_heads"], 1)  # llama.cpp: Gemma 2 27B
+    elif cfg["num_hidden_layers"] == fam.gguf_hidden_scale_layers:
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] / max(cfg["num_attention_heads"], 1)
     else:
         cfg["query_pre_attn_scalar"] = head_dim
-    n = cfg["num_hidden_layers"]
+
+
+def _sliding(n: int, meta: dict, key, fam: Family, source: str) -> tuple[bool, ...]:
+    """Per layer, whether it slides: the file's per-layer pattern or period, else the family's period."""
     pattern = meta.get(key("attention.sliding_window_pattern"))
     if isinstance(pattern, (list, tuple)) or getattr(pattern, "ndim", 0) == 1:
-        sliding = [bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern)]
+        sliding = tuple(bool(x) for x in (pattern.tolist() if hasattr(pattern, "tolist") else pattern))
         if len(sliding) != n:
             raise ConfigError(f"{source}: {key('attention.sliding_window_pattern')} has {len(sliding)} entries "
                               f"for {n} layers")
-    else:
-        period = arch.sliding_period if pattern is None else _scalar(pattern, key("attention.sliding_window_pattern"), int, source)
-        sliding = [period == 0 or i % period < period - 1 for i in range(n)]
-    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-    if arch.local_rope_base is not None:
-        cfg.setdefault("rope_local_base_freq", arch.local_rope_base)
+        return sliding
+    period = fam.sliding_period if pattern is None else _scalar(pattern, key("attention.sliding_window_pattern"),
+                                                                 int, source)
+    return sliding_layers(n, period)
 
 
 def llama3_scaling(factors, theta: float, head_dim: int, source: str) -> dict:

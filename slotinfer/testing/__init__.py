@@ -20,6 +20,10 @@ written one tensor at a time into reused buffers, so a Qwen3-0.6B-shaped folder
     >>> from slotinfer.testing import make_tiny_model
     >>> folder = make_tiny_model("qwen3", tmp / "qwen3", quantize={"bits": 4, "group_size": 32})
 
+Each family's config keys, architecture name and tokenizer come from its record in
+:mod:`slotinfer.models.families`; the tensors are the ones the loader expects of the
+config (:func:`slotinfer.models.config.expected_shapes`).
+
 The package: this module holds the configs and the entry point; :mod:`.tokenizers` trains
 the tokenizers and renders their files, :mod:`.weights` draws and writes the tensors.
 """
@@ -34,12 +38,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from .tokenizers import _tokenizer_bundle, _tokenizer_kind
+from ..models.config import parse_config
+from ..models.families import FAMILIES as _RECORDS
+from ..models.families import Family, decoder_family, sliding_layers
+from .tokenizers import _tokenizer_bundle
 from .weights import _groups, _split_shards, _tensor_plan, _write_safetensors
 
 __all__ = ["FAMILIES", "make_tiny_model", "tokenizer_files", "DEFAULT_DIMS"]
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text", "gemma3", "gemma2")
+FAMILIES = tuple(_RECORDS)  # every supported model_type; each family's facts are its record in models.families
 
 DEFAULT_DIMS = {
     "hidden_size": 64,
@@ -57,7 +64,7 @@ def tokenizer_files(family: str) -> dict[str, str]:
     """The tokenizer files (name -> text) ``make_tiny_model`` writes for ``family``."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    text, facts = _tokenizer_bundle(_tokenizer_kind(family))
+    text, facts = _tokenizer_bundle(_RECORDS[family].tokenizer)
     return {
         "tokenizer.json": text,
         "tokenizer_config.json": json.dumps(facts["tokenizer_config"], indent=2, ensure_ascii=False),
@@ -71,92 +78,46 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _text_config(family: str, style: str, dims: dict, facts: dict, torch_dtype: str) -> dict:
-    """config.json of the decoder (the ``text_config`` for the Gemma 3 wrapper)."""
-    mt = "gemma3_text" if family == "gemma3" else family
+_FILLED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_window_layers")  # example keys the builder fills in
+
+
+def _text_config(fam: Family, style: str, dims: dict, facts: dict, torch_dtype: str, wrapped: bool) -> dict:
+    """config.json of the decoder (the ``text_config`` of a wrapper): the sizes in ``dims`` and the family's
+    example keys, in the classic or the new generation of keys."""
     n = dims["num_hidden_layers"]
-    dtype_key = {"torch_dtype": torch_dtype} if style == "classic" else {"dtype": torch_dtype}
-    base = {
-        "hidden_size": dims["hidden_size"],
-        "intermediate_size": dims["intermediate_size"],
-        "num_hidden_layers": n,
-        "num_attention_heads": dims["num_attention_heads"],
-        "num_key_value_heads": dims["num_key_value_heads"],
-        "max_position_embeddings": dims["max_position_embeddings"],
-        "vocab_size": dims["vocab_size"],
-        "initializer_range": 0.02,
-        "attention_dropout": 0.0,
-        "use_cache": True,
+    cfg = {
+        "architectures": [fam.architecture], "model_type": fam.model_type,
+        **{k: dims[k] for k in (*DEFAULT_DIMS, "vocab_size")},
+        "initializer_range": 0.02, "attention_dropout": 0.0, "use_cache": True,
     }
-    if mt == "llama":
-        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
-        cfg = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", **base,
-            "head_dim": dims.get("head_dim", 16), "hidden_act": "silu", "attention_bias": False,
-            "mlp_bias": False, "pretraining_tp": 1, "rms_norm_eps": 1e-5,
-            "bos_token_id": facts["bos"], "eos_token_id": facts["eos_config"],
-            "tie_word_embeddings": False,
-        }
-        if style == "classic":
-            cfg.update(rope_theta=500000.0, rope_scaling=rope)
-        else:
-            cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0,
-                                      **{k: v for k, v in rope.items() if k != "rope_type"}}
-    elif mt in ("qwen2", "qwen3"):
-        cfg = {
-            "architectures": ["Qwen2ForCausalLM" if mt == "qwen2" else "Qwen3ForCausalLM"],
-            "model_type": mt, **base,
-            "hidden_act": "silu", "rms_norm_eps": 1e-6,
-            "bos_token_id": facts["bos"], "eos_token_id": facts["eos_config"],
-            "tie_word_embeddings": True, "use_sliding_window": False,
-            "sliding_window": 32768 if mt == "qwen2" else None, "max_window_layers": n,
-        }
-        if mt == "qwen3":
-            cfg.update(head_dim=dims.get("head_dim", 32), attention_bias=False)
-        elif "head_dim" in dims:
-            cfg["head_dim"] = dims["head_dim"]
-        if style == "classic":
-            cfg.update(rope_theta=1000000.0, rope_scaling=None)
-        else:
-            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
-            cfg["layer_types"] = ["full_attention"] * n
-    else:  # gemma2 / gemma3_text
-        cfg = {
-            "architectures": ["Gemma2ForCausalLM" if mt == "gemma2" else "Gemma3ForCausalLM"],
-            "model_type": mt, **base,
-            "head_dim": dims.get("head_dim", 32), "hidden_activation": "gelu_pytorch_tanh",
-            "attention_bias": False, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 24,
-            "sliding_window": 16,
-            "bos_token_id": facts["bos"], "eos_token_id": facts["eos_config"], "pad_token_id": facts["pad"],
-        }
-        if mt == "gemma2":
-            cfg.update(hidden_act="gelu_pytorch_tanh", final_logit_softcapping=30.0,
-                       attn_logit_softcapping=50.0, cache_implementation="hybrid")
-            sliding = [i % 2 == 0 for i in range(n)]
-            if style == "classic":
-                cfg["rope_theta"] = 10000.0
-            else:
-                cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-        else:
-            pattern = 3
-            cfg.update(final_logit_softcapping=None, attn_logit_softcapping=None)
-            sliding = [(i + 1) % pattern != 0 for i in range(n)]
-            if style == "classic":
-                cfg.update(rope_theta=1000000.0, rope_local_base_freq=10000.0,
-                           rope_scaling={"rope_type": "linear", "factor": 8.0},
-                           sliding_window_pattern=pattern)
-            else:
-                cfg["rope_parameters"] = {
-                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                }
-        if style == "new":
-            cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
-    if family != "gemma3":
-        cfg.update(dtype_key)
+    filled = dict(zip(_FILLED, (facts["bos"], facts["eos_config"], facts["pad"], n)))
+    for key, value in fam.example.items():
+        if key not in cfg:
+            cfg[key] = filled[key] if key in filled else copy.deepcopy(value)
+    if "head_dim" in dims:
+        cfg["head_dim"] = dims["head_dim"]
+    if style == "new":
+        _new_style_keys(cfg, fam)
+    if not wrapped:
+        cfg["torch_dtype" if style == "classic" else "dtype"] = torch_dtype
         cfg["transformers_version"] = "4.44.0" if style == "classic" else "4.57.0"
     return cfg
+
+
+def _new_style_keys(cfg: dict, fam: Family) -> None:
+    """Classic rope and sliding keys -> the ones current transformers writes (``rope_parameters`` and, where
+    the config has a sliding window, ``layer_types``)."""
+    scaling = cfg.pop("rope_scaling", None) or {}
+    full = {"rope_type": scaling.get("rope_type", "default"), "rope_theta": cfg.pop("rope_theta"),
+            **{k: v for k, v in scaling.items() if k != "rope_type"}}
+    local = cfg.pop("rope_local_base_freq", None)
+    cfg["rope_parameters"] = full if local is None else {
+        "full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+    period = cfg.pop("sliding_window_pattern", fam.sliding_period)
+    if "sliding_window" in cfg:
+        n = cfg["num_hidden_layers"]
+        sliding = sliding_layers(n, period) if fam.sliding_period else (False,) * n
+        cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 _VISION_CONFIG = {
@@ -166,16 +127,17 @@ _VISION_CONFIG = {
 }
 
 
-def _full_config(family: str, style: str, dims: dict, facts: dict, torch_dtype: str,
+def _full_config(fam: Family, style: str, dims: dict, facts: dict, torch_dtype: str,
                  overrides: Mapping[str, Any]) -> dict:
-    text = _text_config(family, style, dims, facts, torch_dtype)
-    if family != "gemma3":
+    text = _text_config(decoder_family(fam.model_type), style, dims, facts, torch_dtype, bool(fam.decoder))
+    if not fam.decoder:
         text.update(copy.deepcopy(dict(overrides)))
         return text
+    # the wrapper (Gemma 3's multimodal checkpoints): a vision tower around the decoder
     ids = facts["ids"]
     top = {
-        "architectures": ["Gemma3ForConditionalGeneration"],
-        "model_type": "gemma3",
+        "architectures": [fam.architecture],
+        "model_type": fam.model_type,
         "boi_token_index": ids["<start_of_image>"],
         "eoi_token_index": ids["<end_of_image>"],
         "image_token_index": ids["<image_soft_token>"],
@@ -214,7 +176,9 @@ def make_tiny_model(
     ``quantize={"bits": 4, "group_size": 32, "overrides": {module_path: {...}}}`` writes
     the MLX-quantized layout; ``shards>1`` splits the weights with an index file;
     ``dtype`` is the stored float dtype; ``config_style`` "classic" or "new" chooses
-    the generation of config keys; ``overrides`` merges into the (text) config.
+    the generation of config keys; ``overrides`` merges into the (text) config.  The
+    tensors written are the ones slotinfer's loader expects of the resulting config, so
+    an override it cannot parse raises its ConfigError here.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
@@ -233,11 +197,10 @@ def make_tiny_model(
         if unknown:
             raise ValueError(f"unknown quantize keys {sorted(unknown)}")
 
-    tok_text, facts = _tokenizer_bundle(_tokenizer_kind(family))
-    gemma = family.startswith("gemma")
-    dims = dict(DEFAULT_DIMS)
-    if gemma:
-        dims["num_hidden_layers"] = 6
+    fam = _RECORDS[family]
+    decoder = decoder_family(family)
+    tok_text, facts = _tokenizer_bundle(fam.tokenizer)
+    dims = {k: decoder.example.get(k, v) for k, v in DEFAULT_DIMS.items()}
     dims["vocab_size"] = _round_up(facts["size"], 64)
     for key in list(dims) + ["head_dim"]:
         if key in overrides:
@@ -245,10 +208,11 @@ def make_tiny_model(
     if int(dims["vocab_size"]) < facts["size"]:
         raise ValueError(f"vocab_size {dims['vocab_size']} is smaller than the tokenizer ({facts['size']} tokens)")
 
-    cfg = _full_config(family, config_style, dims, facts, dtype, overrides)
-    plan = _tensor_plan(family, cfg)
+    cfg = _full_config(fam, config_style, dims, facts, dtype, overrides)
+    model = parse_config(cfg)
+    plan = _tensor_plan(model, cfg)
     tag = _DTYPES[dtype]
-    groups, per_layer = _groups(plan, seed, tag, gemma, quant)
+    groups, per_layer = _groups(plan, seed, tag, model.embed_scale is not None, quant)
     if quant is not None:
         qcfg = {"group_size": quant["group_size"], "bits": quant["bits"], **per_layer}
         cfg["quantization"] = qcfg
@@ -281,7 +245,7 @@ def make_tiny_model(
     gen = {"bos_token_id": facts["bos"], "eos_token_id": facts["eos_generation"]}
     if facts["pad"] is not None:
         gen["pad_token_id"] = facts["pad"]
-    if gemma:
+    if model.sliding_layers:  # transformers' cache for a mix of sliding and global layers
         gen["cache_implementation"] = "hybrid"
     gen["transformers_version"] = cfg.get("transformers_version", "4.50.0")
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -13,11 +13,6 @@ from pathlib import Path
 _DATA = Path(__file__).resolve().parent.parent / "data"
 
 
-def _tokenizer_kind(family: str) -> str:
-    return {"llama": "llama3", "qwen2": "qwen2", "qwen3": "qwen3",
-            "gemma3_text": "gemma3", "gemma3": "gemma3", "gemma2": "gemma2"}[family]
-
-
 def _corpus_lines() -> list[str]:
     return (_DATA / "corpus.txt").read_text(encoding="utf-8").splitlines(keepends=True)
 

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..models.config import ModelConfig, expected_shapes
+
 # Initial scales (see _draw; values are uniform with these standard deviations):
 # linear weights std gain / sqrt(fan_in) with gain LINEAR_GAIN, QK_GAIN (q/k) or OUT_GAIN
 # (o_proj, down_proj); embeddings std EMBED_STD (Gemma: EMBED_STD / sqrt(hidden), as
@@ -43,66 +45,40 @@ class _Tensor:
         self.seed_name = seed_name or name
 
 
-def _tensor_plan(family: str, cfg: dict) -> list[_Tensor]:
-    text = cfg["text_config"] if family == "gemma3" else cfg
-    prefix = "language_model." if family == "gemma3" else ""
-    mt = text["model_type"]
-    gemma = mt in ("gemma2", "gemma3_text")
-    H = int(text["hidden_size"])
-    inter = int(text["intermediate_size"])
-    nh = int(text["num_attention_heads"])
-    nkv = int(text.get("num_key_value_heads") or nh)
-    hd = int(text.get("head_dim") or H // nh)
-    V = int(text["vocab_size"])
-    tied = bool(text.get("tie_word_embeddings", gemma))
-    norm = "gemma_norm" if gemma else "norm"
-    attn_bias = mt == "qwen2" or bool(text.get("attention_bias"))
-    o_bias = mt == "llama" and bool(text.get("attention_bias"))
-    mlp_bias = bool(text.get("mlp_bias"))
-
-    plan: list[_Tensor] = []
-
-    def add(name, shape, kind, **kw):
-        plan.append(_Tensor(prefix + name, shape, kind, seed_name=name, **kw))
-
-    add("model.embed_tokens.weight", (V, H), "embed")
-    for i in range(int(text["num_hidden_layers"])):
-        p = f"model.layers.{i}."
-        add(p + "input_layernorm.weight", (H,), norm)
-        add(p + "self_attn.q_proj.weight", (nh * hd, H), "linear", gain=QK_GAIN)
-        add(p + "self_attn.k_proj.weight", (nkv * hd, H), "linear", gain=QK_GAIN)
-        add(p + "self_attn.v_proj.weight", (nkv * hd, H), "linear")
-        add(p + "self_attn.o_proj.weight", (H, nh * hd), "linear", gain=OUT_GAIN)
-        if attn_bias:
-            add(p + "self_attn.q_proj.bias", (nh * hd,), "bias")
-            add(p + "self_attn.k_proj.bias", (nkv * hd,), "bias")
-            add(p + "self_attn.v_proj.bias", (nkv * hd,), "bias")
-        if o_bias:
-            add(p + "self_attn.o_proj.bias", (H,), "bias")
-        if mt in ("qwen3", "gemma3_text"):
-            add(p + "self_attn.q_norm.weight", (hd,), norm, gain=QK_NORM_SCALE)
-            add(p + "self_attn.k_norm.weight", (hd,), norm, gain=QK_NORM_SCALE)
-        add(p + "post_attention_layernorm.weight", (H,), norm)
-        if gemma:
-            add(p + "pre_feedforward_layernorm.weight", (H,), norm)
-            add(p + "post_feedforward_layernorm.weight", (H,), norm)
-        add(p + "mlp.gate_proj.weight", (inter, H), "linear")
-        add(p + "mlp.up_proj.weight", (inter, H), "linear")
-        add(p + "mlp.down_proj.weight", (H, inter), "linear", gain=OUT_GAIN)
-        if mlp_bias:
-            add(p + "mlp.gate_proj.bias", (inter,), "bias")
-            add(p + "mlp.up_proj.bias", (inter,), "bias")
-            add(p + "mlp.down_proj.bias", (H,), "bias")
-    add("model.norm.weight", (H,), norm)
-    if not tied:
-        add("lm_head.weight", (V, H), "linear")
-    if family == "gemma3":
+def _tensor_plan(model: ModelConfig, cfg: dict) -> list[_Tensor]:
+    """The tensors of a checkpoint of ``cfg`` (parsed as ``model``): the loader's own list of what the
+    config asks for, drawn by the kind and gain their names give; a wrapper's decoder tensors sit under
+    ``language_model.``, after them its vision tensors (their values are never read)."""
+    wrapped = "text_config" in cfg
+    prefix = "language_model." if wrapped else ""
+    norm = "gemma_norm" if model.norm_offset else "norm"
+    plan = []
+    for name, shape in expected_shapes(model).items():
+        kind, gain = _kind(name, norm)
+        plan.append(_Tensor(prefix + name, shape, kind, gain=gain, seed_name=name))
+    if wrapped:
         vc = cfg["vision_config"]
         vh, ps = int(vc["hidden_size"]), int(vc["patch_size"])
         plan.append(_Tensor("vision_tower.vision_model.embeddings.patch_embedding.weight",
                             (vh, 3, ps, ps), "vision", fan_in=3 * ps * ps))
-        plan.append(_Tensor("multi_modal_projector.mm_input_projection_weight", (vh, H), "vision", fan_in=vh))
+        plan.append(_Tensor("multi_modal_projector.mm_input_projection_weight",
+                            (vh, model.hidden_size), "vision", fan_in=vh))
     return plan
+
+
+def _kind(name: str, norm: str) -> tuple[str, float]:
+    """How a tensor is drawn, by its name: (kind, gain)."""
+    if name == "model.embed_tokens.weight":
+        return "embed", LINEAR_GAIN
+    if name.endswith(".bias"):
+        return "bias", LINEAR_GAIN
+    if name.endswith("norm.weight"):
+        return norm, QK_NORM_SCALE if name.endswith(("q_norm.weight", "k_norm.weight")) else LINEAR_GAIN
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        return "linear", QK_GAIN
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return "linear", OUT_GAIN
+    return "linear", LINEAR_GAIN
 
 
 class _Scratch:
