@@ -1,8 +1,7 @@
 """Every supported family's facts, one :class:`Family` record each.
 
-A family's rules used to be restated wherever they were needed: in the ``config.json``
-parser, in the GGUF metadata mapping and in the test-model builders.  They live here
-now, and those places read them:
+A family's rules are needed in three places, which all read them from here rather than
+restating them:
 
 - :mod:`slotinfer.models.config` turns a ``config.json`` into a ``ModelConfig`` with the
   switches and defaults of its family's record;
@@ -42,8 +41,8 @@ class Family:
     # -- attention ------------------------------------------------------------
     # q/k/v always carry biases: Qwen 2's checkpoints have them and no config key says so
     qkv_bias: bool = False
-    # attention_bias and mlp_bias are read from config.json (Gemma's configs carry attention_bias: false,
-    # and the decoder has never read it for them)
+    # attention_bias and mlp_bias are read from config.json (Gemma's published configs carry
+    # attention_bias: false, and its checkpoints have no biases, so the key is not read for Gemma)
     bias_keys: bool = False
     o_bias: bool = False  # attention_bias gives o_proj a bias too (Llama; Qwen's o_proj never has one here)
     qk_norm: bool = False  # RMSNorm over each head of q and k: Qwen 3 and Gemma 3 have it, Gemma 2 does not
@@ -62,7 +61,7 @@ class Family:
 
     # -- positions --------------------------------------------------------------
     rope_theta: float = 10000.0  # the default when config.json has no rope_theta
-    # a classic rope_scaling is read (Gemma 2's published configs have none, and it has never been read for it)
+    # a classic rope_scaling is read (Gemma 2's published configs have none, so it is not read for Gemma 2)
     rope_scaling: bool = True
     # Sliding-window layers: 0 none; n: every n-th layer is global, the others slide.  config.json's
     # default layer_types and llama.cpp's fixed rule are this one rule (see sliding_layers).
