@@ -167,6 +167,16 @@ def test_each_family_default_period_is_the_same_in_both_formats(n):
         assert from_json == _from_gguf(_meta(arch, n)).sliding_layers == stated
 
 
+@pytest.mark.parametrize("arch, n, scalar", [("gemma2", 46, 16), ("gemma3", 62, 16), ("gemma2", 62, 32),
+                                             ("gemma3", 46, 32), ("gemma3", 26, 32)])
+def test_a_gemma_gguf_without_attention_scale_takes_llama_cpps_rule(arch, n, scalar):
+    """llama.cpp scales the 27B sizes (Gemma 2: 46 layers, Gemma 3: 62) by hidden / heads = 64 / 4,
+    every other size by the head size (32 here); an attention.scale in the file wins over both."""
+    meta = _meta(arch, n, **{"attention.key_length": 32})
+    assert _from_gguf(meta).scale == pytest.approx(scalar ** -0.5)
+    assert _from_gguf(meta | {f"{arch}.attention.scale": 0.125}).scale == pytest.approx(0.125)
+
+
 # -- the test builders ----------------------------------------------------------
 
 OPTIONS = {

@@ -75,7 +75,8 @@ class Family:
     gguf_rope_freqs: bool = False  # a rope_freqs tensor holds Llama 3's rope scaling
     gguf_tensors: Mapping[str, str] = field(default_factory=_frozen)  # per-layer names unlike llama's
     # llama.cpp scales attention by hidden / heads (not head_dim) for the size with this many layers when
-    # the file gives no attention.scale (Gemma 2 27B: 46)
+    # the file gives no attention.scale (the 27B sizes: Gemma 2's 46 layers, Gemma 3's 62), as their
+    # published configs' query_pre_attn_scalar does
     gguf_hidden_scale_layers: int = 0
 
     # -- test models (slotinfer.testing) -----------------------------------------
@@ -135,7 +136,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family(
         "gemma3_text", "Gemma3ForCausalLM", gguf_arch="gemma3", qk_norm=True, **_GEMMA,
         rope_theta=1_000_000.0, sliding_period=6, sliding_pattern_key=True, local_rope_base=10000.0,
-        tokenizer="gemma3",
+        gguf_hidden_scale_layers=62, tokenizer="gemma3",
         example=_frozen({
             **_GEMMA_EXAMPLE, "final_logit_softcapping": None, "attn_logit_softcapping": None,
             "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
