@@ -68,6 +68,12 @@ def cache_dir() -> Path:
     return Path(value) if value else Path.home() / ".cache" / "slotinfer"
 
 
+def api_key() -> str | None:
+    """``SLOTINFER_API_KEY``: the key ``slotinfer serve`` requires when ``--api-key`` is not given
+    (kept out of the process list); None when unset or empty."""
+    return os.environ.get("SLOTINFER_API_KEY") or None
+
+
 def template_max_chars() -> int:
     """``SLOTINFER_TEMPLATE_MAX_CHARS``: the most characters (or list items) a chat or prompt
     template may build or render; default 8,000,000.  Raises ValueError on anything but a whole number >= 1."""

@@ -75,3 +75,27 @@ def test_no_import_cycles():
     assert "slotinfer.engine" in graph["slotinfer.batch"]  # the graph holds what it should,
     assert "slotinfer.batch" in graph["slotinfer.model"]  # lazy imports inside functions included
     assert _cycles(graph) == []
+
+
+def test_every_slotinfer_variable_is_read_in_settings_and_documented():
+    """A SLOTINFER_* name in the package appears in settings.py's reads, and each one settings.py
+    reads has its row in docs/configuration.md's table."""
+    import re
+
+    name = re.compile(r"SLOTINFER_[A-Z_]+")
+    read = re.compile(r"""os\.environ\.get\(\s*["'](SLOTINFER_[A-Z_]+)|_flag\(\s*["'](SLOTINFER_[A-Z_]+)"""
+                      r"""|_whole\(\s*["'](SLOTINFER_[A-Z_]+)""")
+    settings = (PKG / "settings.py").read_text()
+    in_settings = {next(g for g in m.groups() if g) for m in read.finditer(settings)}
+    elsewhere = {}
+    for path in PKG.rglob("*.py"):
+        if path.name == "settings.py":
+            continue
+        for line in path.read_text().splitlines():
+            if "environ" in line or "getenv" in line:
+                for n in name.findall(line):
+                    elsewhere.setdefault(n, path.relative_to(PKG.parent))
+    assert not elsewhere, f"read outside slotinfer/settings.py: {elsewhere}"
+    table = (PKG.parent / "docs" / "configuration.md").read_text()
+    rows = set(re.findall(r"^\| `(SLOTINFER_[A-Z_]+)` \|", table, re.M))
+    assert in_settings and in_settings <= rows, f"undocumented: {sorted(in_settings - rows)}"

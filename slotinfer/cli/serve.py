@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import sys
 
 
 def add_parser(sub):
+    from .. import settings
     from .common import positive_int
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)")
@@ -19,7 +19,7 @@ def add_parser(sub):
     p.add_argument("--max-len", type=positive_int, default=2048, help="tokens per slot (prompt + output)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; past it a request gets 429 (0: unbounded)")
-    p.add_argument("--api-key", default=os.environ.get("SLOTINFER_API_KEY"),
+    p.add_argument("--api-key", default=settings.api_key(),
                    help="require 'Authorization: Bearer KEY' (default: $SLOTINFER_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the model's folder name)")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get 413")
