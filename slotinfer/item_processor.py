@@ -1,9 +1,10 @@
 """The ItemProcessor: the host side of the loop, and the one owner of a request's lifecycle.
 
 It owns every request's record (:class:`Item`), the one FIFO of waiting items (the
-Inferencer only hands requests over to it, between threads) and the free-slot list.  Each step it takes the tokens the device produced, appends them,
-streams text, finishes items (EOS / stop token / stop string / max_tokens /
-cancellation), frees their slots and admits waiting items into them.
+Inferencer only hands requests over to it, between threads) and the free-slot list.
+Each step it takes the tokens the device produced, appends them, streams text,
+finishes items (EOS / stop token / stop string / max_tokens / cancellation), frees
+their slots and admits waiting items into them.
 
 An item's :class:`State` changes only through :meth:`ItemProcessor.move`, along
 :data:`TRANSITIONS`: waiting -> prefilling -> decoding -> finished, and cancelled or
@@ -212,11 +213,11 @@ class ItemProcessor:
         """End ``item`` exactly once and free its slot."""
         if item.state.ended:
             return
-        if item.state is State.WAITING:
+        if item.state is State.WAITING and item.held:  # one never added is in no queue: nothing to search
             try:
                 self.waiting.remove(item)
             except ValueError:
-                pass
+                pass  # admit() took it off the queue and found it cancelled
         if item.slot >= 0 and self.by_slot[item.slot] is item:
             self.by_slot[item.slot] = None
             self.table.release(item.slot)

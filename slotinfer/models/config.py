@@ -247,7 +247,7 @@ def _parse(cfg: dict, fam: Family, raw: dict) -> ModelConfig:
         switches["sliding_layers"] = _layer_kinds(cfg, layers, sliding_layers(layers, period))
     rope, local = _ropes(cfg, fam)
     if fam.bias_keys or fam.qkv_bias:
-        # short-circuits as it always has: Qwen 2's attention_bias is never read, its q/k/v biases are fixed
+        # Qwen 2's attention_bias is not read: its q/k/v biases are fixed
         switches["attn_bias"] = fam.qkv_bias or _flag(cfg, "attention_bias", False)
         switches["o_bias"] = fam.o_bias and _flag(cfg, "attention_bias", False)
         switches["mlp_bias"] = fam.bias_keys and _flag(cfg, "mlp_bias", False)

@@ -4,8 +4,8 @@ llama.cpp's GGUF files carry the config as ``general.architecture`` plus ``<arch
 keys, and name tensors its own way (``blk.N.attn_q``).  The format's rules live here
 (the two key tables below); what differs per family (the converter's q/k permutation
 and norm shift, renamed tensors, the fixed rules llama.cpp applies where a file says
-nothing: Gemma's sliding-window period, Gemma 3's local rope base, Gemma 2's attention
-scale) is read from the family's record in :mod:`slotinfer.models.families`.  The
+nothing: Gemma's sliding-window period, Gemma 3's local rope base, the 27B sizes'
+attention scale) is read from the family's record in :mod:`slotinfer.models.families`.  The
 result is an ordinary config dict, so the family switches themselves stay in ``config.py``.
 """
 
@@ -118,11 +118,11 @@ def config_dict(meta: dict, name: str, fam: Family, *, vocab_rows: int, tied: bo
             raise UnsupportedModelError(f"{source}: tensor rope_freqs.weight (per-frequency rope factors) is only "
                                         "read as Llama 3's rope scaling, in a llama file without other scaling")
         cfg["rope_scaling"] = llama3_scaling(rope_factors, cfg["rope_theta"], head_dim, source)
-    _family_rules(cfg, meta, key, fam, source)
+    _family_rules(cfg, meta, key, fam, head_dim, source)
     return cfg
 
 
-def _family_rules(cfg: dict, meta: dict, key, fam: Family, source: str) -> None:
+def _family_rules(cfg: dict, meta: dict, key, fam: Family, head_dim: int, source: str) -> None:
     """The config.json keys a family needs that the converter does not write (llama.cpp's fixed rules)."""
     if fam.sliding_period and "sliding_window" not in cfg:
         raise ConfigError(f"{source}: metadata key {key('attention.sliding_window')!r} is missing; "
@@ -130,7 +130,7 @@ def _family_rules(cfg: dict, meta: dict, key, fam: Family, source: str) -> None:
     if fam.activation == "gelu_tanh":
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
     if fam.query_pre_attn_scalar:
-        _attn_scalar(cfg, meta, key, fam, source)
+        _attn_scalar(cfg, meta, key, fam, head_dim, source)
     if fam.sliding_period:
         cfg["layer_types"] = ["sliding_attention" if s else "full_attention"
                               for s in _sliding(cfg["num_hidden_layers"], meta, key, fam, source)]
@@ -138,8 +138,7 @@ def _family_rules(cfg: dict, meta: dict, key, fam: Family, source: str) -> None:
         cfg.setdefault("rope_local_base_freq", fam.local_rope_base)
 
 
-def _attn_scalar(cfg: dict, meta: dict, key, fam: Family, source: str) -> None:
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // max(cfg["num_attention_heads"], 1)
+def _attn_scalar(cfg: dict, meta: dict, key, fam: Family, head_dim: int, source: str) -> None:
     if key("attention.scale") in meta:
         scale = _scalar(meta[key("attention.scale")], key("attention.scale"), float, source)
         if not 0 < scale < 1e6:
