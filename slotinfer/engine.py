@@ -238,12 +238,11 @@ class Engine:
         fx = self._first_extra if firsts else None
         tokens_in = self.tokens
         if needed:
-            positions = np.full(self.slots, self.max_len, dtype=np.int32)
-            for it in needed:
-                positions[it.slot] = self.table.lengths[it.slot]
+            live = sorted(it.slot for it in needed)
+            positions = self.table.lengths
             self.rows.steps = mx.array(self.gen)
-            nxt, extra = self.decoder.step(tokens_in, mx.array(positions), int(positions[[it.slot for it in needed]].max()) + 1,
-                                           self.rows, top_n=top_n)
+            nxt, extra = self.decoder.step(tokens_in, live, positions, int(positions[live].max()) + 1, self.rows,
+                                           top_n=top_n)
             self.tokens = nxt
         else:
             nxt, extra = tokens_in, list(fx)  # placeholders of the right shapes; no row reads them

@@ -84,26 +84,34 @@ def scatter(cache, index, new):
 
 
 class DecodeView:
-    """Attention context of one decode step: one new token per slot.
+    """Attention context of one decode step: one new token for each of ``count`` rows.
 
-    ``positions`` [b] is where each slot's new token goes (its current length; the
-    trash column for idle slots); attention covers the first ``span`` columns only,
-    so a step costs what the live lengths need, not the capacity.
+    ``positions`` [count] is where each row's new token goes (its current length; the
+    trash column for padding rows); ``index`` the flat offsets of those writes.  The rows
+    are the table's first ``count`` slots when ``rows`` is None (read as a slice), else the
+    slots ``rows`` [count] (gathered).  Attention covers the first ``span`` columns only,
+    so a step costs what the live rows and lengths need, not the table's capacity.
     """
 
-    def __init__(self, table_keys, table_values, index, positions, span: int):
+    def __init__(self, table_keys, table_values, index, positions, span: int, *, rows=None, count: int):
         self.keys, self.values = list(table_keys), list(table_values)
         self.index, self.offset, self.span = index, positions, span
+        self.rows, self.count = rows, count
         self._masks = {}
 
     def update(self, layer, k, v):
         self.keys[layer] = scatter(self.keys[layer], self.index, k)
         self.values[layer] = scatter(self.values[layer], self.index, v)
-        return self.keys[layer][:, :, : self.span], self.values[layer][:, :, : self.span]
+        return self._rows(self.keys[layer]), self._rows(self.values[layer])
+
+    def _rows(self, cache):
+        if self.rows is None:
+            return cache[: self.count, :, : self.span]
+        return mx.take(cache[:, :, : self.span], self.rows, axis=0)
 
     def mask(self, layer, L, window):
         if window not in self._masks:
-            m = window_mask(self.offset[:, None], mx.arange(self.span), window)  # [b, 1, span]
+            m = window_mask(self.offset[:, None], mx.arange(self.span), window)  # [n, 1, span]
             self._masks[window] = m[:, None]
         return self._masks[window]
 
