@@ -9,8 +9,8 @@ Two measurements, each a fresh process so neither inherits the other's compiled 
   tokens/s.
 
 ``--baseline REV`` runs the same measurements on a checkout of git revision ``REV`` (a temporary
-worktree) in turn with this one, so the ratios against it are taken side by side; the median of
-``--repeats`` runs is printed.
+worktree) in turn with this one (``--rev``: a revision instead of the working tree), so the ratios
+against it are taken side by side; the median of ``--repeats`` runs is printed.
 
     python benchmarks/bench_live_rows.py                              # SmolLM2-135M when installed
     python benchmarks/bench_live_rows.py --random-shape --baseline HEAD~1 --repeats 3
@@ -71,6 +71,7 @@ def main():
     ap.add_argument("--model", help="model folder, GGUF file or hub id (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--random-shape", action="store_true", help="the random Qwen3-0.6B-shaped model")
     ap.add_argument("--baseline", metavar="REV", help="also measure git revision REV, in turn with this tree")
+    ap.add_argument("--rev", help="measure git revision REV instead of the working tree")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--one", choices=["one", "busy"], help=argparse.SUPPRESS)
     ap.add_argument("--slots", type=int, default=32, help=argparse.SUPPRESS)
@@ -79,7 +80,7 @@ def main():
         print(json.dumps(measure(args.one, args.slots, args.model, args.random_shape)))
         return
 
-    trees = {"this tree": ROOT}
+    trees = {args.rev or "this tree": worktree(args.rev) if args.rev else ROOT}
     if args.baseline:
         trees[args.baseline] = worktree(args.baseline)
     points = [("one", 1), ("one", 32), ("busy", 32)]
@@ -91,8 +92,9 @@ def main():
                 for t in order:
                     got[t, p].append(run(trees[t], *p, args))
     finally:
-        if args.baseline:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(trees[args.baseline])])
+        for tree in trees.values():
+            if tree != ROOT:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
     med = {k: statistics.median(v) for k, v in got.items()}
     print(f"decode tokens/s, median of {args.repeats}")
     print("| tree | 1 request, 1 slot | 1 request, 32 slots | ratio | 32 requests, 32 slots |")
@@ -101,8 +103,8 @@ def main():
         a, b, c = med[t, ("one", 1)], med[t, ("one", 32)], med[t, ("busy", 32)]
         print(f"| {t} | {a:.1f} | {b:.1f} | {b / a:.2f} | {c:.1f} |")
     if args.baseline:
-        base = args.baseline
-        print(f"32 busy rows, this tree / {base}: {med['this tree', ('busy', 32)] / med[base, ('busy', 32)]:.2f}")
+        this, base = list(trees)
+        print(f"32 busy rows, {this} / {base}: {med[this, ('busy', 32)] / med[base, ('busy', 32)]:.2f}")
 
 
 if __name__ == "__main__":
