@@ -139,6 +139,16 @@ def keep_quantized(device=None, override: bool | None = None) -> bool:
     return _kind(device) == "gpu"
 
 
+def prefix_cache_bytes(device=None) -> int:
+    """The prefix cache's default byte budget: an eighth of the memory that holds K/V (the
+    machine's RAM on CPU; MLX's recommended working set on a GPU), at most 4 GiB."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if _kind(device) != "cpu":
+        info = mx.device_info()
+        total = info.get("max_recommended_working_set_size") or info.get("memory_size") or total
+    return min(int(total) // 8, 4 << 30)
+
+
 def describe() -> dict:
     """What this process runs on: for logs, bug reports and ``slotinfer --version``."""
     device = default_device()
@@ -150,5 +160,6 @@ def describe() -> dict:
         "keep_quantized": keep_quantized(device),
         "retain_freed_memory": allocator.in_force(),
         "prefill_by_layer_from_tokens": prefill_by_layer(device),
+        "prefix_cache_bytes": prefix_cache_bytes(device),
         "cpu_count": os.cpu_count(),
     }

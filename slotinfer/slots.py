@@ -54,6 +54,18 @@ class SlotTable:
         self.prompt_in(slot)
         self.lengths[slot] = 0
 
+    def read(self, slot: int, start: int, stop: int):
+        """Copies of ``slot``'s K/V at positions ``start:stop``, ``[layers, kv_heads, n, head_dim]`` each."""
+        return (mx.stack([k[slot, :, start:stop] for k in self.keys]),
+                mx.stack([v[slot, :, start:stop] for v in self.values]))
+
+    def write(self, slot: int, keys, values):
+        """Put ``keys`` and ``values`` (``[layers, kv_heads, n, head_dim]``) at ``slot``'s positions 0..n-1."""
+        index = self.flat_index(mx.array([slot]), mx.arange(keys.shape[2])[None])
+        for layer in range(len(self.keys)):
+            self.keys[layer] = scatter(self.keys[layer], index, keys[layer][None])
+            self.values[layer] = scatter(self.values[layer], index, values[layer][None])
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
