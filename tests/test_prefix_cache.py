@@ -187,3 +187,43 @@ def test_serve_queue_and_batch_generate_report_cached_tokens(models):
         assert st_["hit_tokens"] == 32 and st_["bytes"] == inf.memory()["prefix_cache_bytes"] > 0
     np.testing.assert_array_equal([r.tokens for r in out],
                                   [m.generate(p, max_tokens=3).tokens for p in prompts])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_familys_template_rerenders_earlier_turns_identically(models, family):
+    """Turn two's prompt starts with turn one's prompt and answer, as text and as tokens: what the
+    cache keeps of turn one (prompt and generated tokens) is what turn two asks for."""
+    m = models[family]
+    turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is MLX?"}]
+    answer = "MLX is an array framework."
+    p1 = m.apply_chat_template(turn1)
+    p2 = m.apply_chat_template(turn1 + [{"role": "assistant", "content": answer},
+                                        {"role": "user", "content": "And Metal?"}])
+    assert p2.startswith(p1 + answer)
+    ids1, ids2 = m.encode_prompt(p1), m.encode_prompt(p2)
+    ids_answer = m.tokenizer.encode(answer, add_special_tokens=False)
+    assert ids2[: len(ids1) + len(ids_answer)] == ids1 + ids_answer
+
+
+def test_qwen3s_template_drops_reasoning_from_earlier_turns(models):
+    """The one documented exception: Qwen 3 renders an earlier answer without its <think> block, so
+    turn two reuses turn one's prompt but not a reasoning answer."""
+    m = models["qwen3"]
+    turn1 = [{"role": "user", "content": "What is MLX?"}]
+    answer = "<think>\nLet me recall.\n</think>\n\nMLX is an array framework."
+    p1 = m.apply_chat_template(turn1)
+    p2 = m.apply_chat_template(turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}])
+    assert p2.startswith(p1) and not p2.startswith(p1 + answer) and "Let me recall" not in p2
+
+
+def test_a_chats_next_turn_reuses_the_last_turns_prompt_and_answer(smollm2):
+    """On the real model, whose answers are text that tokenizes back to the tokens generated."""
+    m = smollm2
+    with slotinfer.Inferencer(m, slots=2, max_len=512, prefix_cache_bytes=1 << 28) as inf:
+        msgs = [{"role": "user", "content": "Name three rivers of Europe."}]
+        first = inf.submit(messages=msgs, max_tokens=48).result()
+        msgs += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Asia?"}]
+        second = inf.submit(messages=msgs, max_tokens=8).result()
+    assert second.cached_tokens % 32 == 0
+    assert second.cached_tokens >= (first.prompt_tokens + len(first.tokens) - 1) // 32 * 32 > first.prompt_tokens
+    assert second.tokens == m.chat(msgs, max_tokens=8).tokens
