@@ -149,6 +149,36 @@ def prefix_cache_bytes(device=None) -> int:
     return min(int(total) // 8, 4 << 30)
 
 
+def memory_available(device=None) -> int | None:
+    """Bytes a new allocation may still take here, or None where it cannot be told.
+
+    CPU: the memory the kernel reports available (``MemAvailable``), and no more than what
+    an address-space limit (``ulimit -v``, as containers and batch schedulers set) leaves
+    this process.  GPU: MLX's recommended working set less what MLX holds.
+    """
+    if _kind(device) != "cpu":
+        info = mx.device_info()
+        total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        return None if not total else max(0, int(total) - mx.get_active_memory())
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/status") as f:
+                vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+            found.append(max(0, soft - vm))
+    except (ImportError, OSError, StopIteration, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def describe() -> dict:
     """What this process runs on: for logs, bug reports and ``slotinfer --version``."""
     device = default_device()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from . import device
 from .cache import window_mask
+from .errors import OutOfMemoryError
 
 
 class SlotTable:
@@ -24,6 +26,7 @@ class SlotTable:
         self.capacity = max_len + 1  # + the trash column
         self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
         shape = (slots, self.kv_heads, self.capacity, self.head_dim)
+        _check_fits(2 * config.num_layers * int(np.prod(shape)) * dtype.size, slots, max_len)
         self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
         self.values = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
         mx.eval(self.keys, self.values)
@@ -86,6 +89,17 @@ class SlotTable:
         base = (rows.astype(dt)[:, None] * h + heads[None]) * cap  # [n, heads]
         cols = (base[:, :, None] + positions.astype(dt)[:, None, :]) * d  # [n, heads, L]
         return (cols[..., None] + mx.arange(d, dtype=dt)).reshape(-1)
+
+
+def _check_fits(need: int, slots: int, max_len: int):
+    """Refuse a table larger than the memory available, with a typed error instead of a crash."""
+    free = device.memory_available()
+    if free is not None and need > free:
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        raise OutOfMemoryError(
+            f"the K/V slot table of {slots} slots x {max_len} tokens needs {gib(need)} "
+            f"({need / slots / (max_len + 1) / 1024:.0f} KiB a token) and {gib(free)} is available here: "
+            f"lower slots or max_len")
 
 
 def scatter(cache, index, new):

@@ -6,6 +6,8 @@ a large table, and to token-exact output when its live rows are scattered over t
 """
 
 import math
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -64,3 +66,24 @@ def test_scattered_live_rows_are_gathered_and_token_exact(models, family):
     layouts = {(key[0], key[1]) for key in eng.decoder._compiled}
     assert (3, False) in layouts  # slots 3..5 alone, gathered
     assert all(n <= 6 for n, _ in layouts)
+
+
+def test_a_table_that_does_not_fit_is_a_typed_error_not_a_crash(model_dir):
+    """Under an address-space limit (ulimit -v, as containers set), a slot table larger than what
+    the limit leaves is refused with OutOfMemoryError, and a smaller one still starts."""
+    code = f"""
+import resource, slotinfer
+resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.RLIM_INFINITY))
+m = slotinfer.load({str(model_dir("llama"))!r})
+try:
+    slotinfer.Inferencer(m, slots=64, max_len=200_000, start=False)   # ~13 GiB of K/V
+except slotinfer.OutOfMemoryError as e:
+    print("refused:", e)
+inf = slotinfer.Inferencer(m, slots=2, max_len=64)
+print("served:", len(inf.generate("hi", max_tokens=3, ignore_eos=True).tokens))
+inf.close()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: the K/V slot table of 64 slots x 200000 tokens needs" in proc.stdout
+    assert "lower slots or max_len" in proc.stdout and "served: 3" in proc.stdout

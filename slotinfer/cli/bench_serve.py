@@ -136,9 +136,10 @@ async def _closed_loop(prompts, one) -> dict:
 class ServerProcess:
     """``slotinfer serve`` in a child process, on a free port of 127.0.0.1."""
 
-    def __init__(self, model_path, slots: int, max_len: int):
+    def __init__(self, model_path, slots: int, max_len: int, extra=()):
         cmd = [sys.executable, "-m", "slotinfer", "serve", str(model_path), "--port", "0", "--slots", str(slots),
-               "--max-len", str(max_len), "--max-queue", "0", "--served-model-name", "bench", "--log-level", "warning"]
+               "--max-len", str(max_len), "--max-queue", "0", "--served-model-name", "bench", "--log-level", "warning",
+               *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.url = None
