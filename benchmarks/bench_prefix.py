@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 
 import httpx
+
+from slotinfer.cli.bench_serve import stream_chunks
 
 TOPICS = ["billing", "shipping", "returns", "warranty", "accounts", "privacy", "gift cards", "repairs"]
 
@@ -51,20 +52,14 @@ async def chat(client, url, model, messages, max_tokens) -> dict:
         body["model"] = model
     t0 = time.perf_counter()
     first, text, usage, timings = None, "", None, None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            for c in chunk.get("choices") or []:
-                piece = (c.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text += piece
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings
+    async for chunk in stream_chunks(client, url + "/v1/chat/completions", body):
+        for c in chunk.get("choices") or []:
+            piece = (c.get("delta") or {}).get("content")
+            if piece:
+                first = first or time.perf_counter()
+                text += piece
+        usage = chunk.get("usage") or usage
+        timings = chunk.get("timings") or timings
     prompt = (usage or {}).get("prompt_tokens") or (timings or {}).get("prompt_n", 0) + (timings or {}).get("cache_n", 0)
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
     if cached is None and timings:

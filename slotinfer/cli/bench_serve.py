@@ -86,20 +86,24 @@ async def drive_http(url: str, model: str | None, prompts, gen_tokens: int) -> d
             body["model"] = model
         t0 = time.perf_counter()
         stamps, used = [], None
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:  # a token's chunk
-                    stamps.append(time.perf_counter())
-                used = chunk.get("usage") or used
+        async for chunk in stream_chunks(client, url + "/v1/completions", body):
+            if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:  # a token's chunk
+                stamps.append(time.perf_counter())
+            used = chunk.get("usage") or used
         return _row(t0, stamps, used["completion_tokens"] if used else len(stamps))
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
         return await _closed_loop(prompts, lambda ids: one(client, ids))
+
+
+async def stream_chunks(client, url: str, body: dict):
+    """The JSON chunks of a streamed (server-sent events) response to ``body`` posted to ``url``."""
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
 
 
 async def drive_inferencer(inf, prompts, gen_tokens: int) -> dict:
