@@ -9,12 +9,17 @@ Two workloads, streamed through ``/v1/chat/completions`` as a chat client sends 
 * ``chat``: 4 conversations of 6 turns at once, each turn resending the whole history with the
   model's answers, 24 new tokens each; TTFT per turn.
 
+``--overhead`` instead measures what the cache costs where it never hits: 32 requests of random
+256-token prompts, 64 tokens generated each, on an in-process Inferencer with and without the
+cache, alternated, tokens/s end to end (median of 5).
+
 Hit rate: prompt tokens the server reports as cached (``usage.prompt_tokens_details.cached_tokens``,
 or llama-server's ``timings.cache_n``) over prompt tokens.  Without ``--url`` the script starts
 ``slotinfer serve`` on the default model (8 slots); ``--url`` drives any other server.
 
     python benchmarks/bench_prefix.py
     python benchmarks/bench_prefix.py --url http://127.0.0.1:8081 --served-model smollm2
+    python benchmarks/bench_prefix.py --overhead
 """
 
 from __future__ import annotations
@@ -107,12 +112,31 @@ async def conversations(url, model):
     return per_turn
 
 
+def overhead(repeats: int = 5):
+    import slotinfer
+    from slotinfer import default_model
+    from slotinfer.cli.bench import engine_tokens_per_s
+
+    model = slotinfer.load(default_model.path())
+    runs = {"cache": [], "no cache": []}
+    for r in range(repeats):
+        for name in (["cache", "no cache"] if r % 2 == 0 else ["no cache", "cache"]):
+            budget = None if name == "cache" else 0
+            runs[name].append(engine_tokens_per_s(model, 32, 256, 64, prefix_cache_bytes=budget)["tokens_per_s"])
+    a, b = (statistics.median(runs[k]) for k in ("cache", "no cache"))
+    print(f"0% hits, 32 x 256-token prompts, 64 new tokens: tokens/s with the cache {a:.1f}, without {b:.1f} "
+          f"({a / b:.3f}x), median of {repeats}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--overhead", action="store_true", help="the cache's cost at a 0%% hit rate, in process")
     ap.add_argument("--url", help="an OpenAI-compatible server (default: start slotinfer serve on the default model)")
     ap.add_argument("--served-model", help="the 'model' field sent")
     ap.add_argument("--serve-args", default="", help="extra arguments for the slotinfer serve it starts")
     args = ap.parse_args()
+    if args.overhead:
+        return overhead()
     server = None
     url, model = args.url, args.served_model
     if url is None:

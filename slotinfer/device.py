@@ -139,6 +139,13 @@ def keep_quantized(device=None, override: bool | None = None) -> bool:
     return _kind(device) == "gpu"
 
 
+def kv_dtype(compute_dtype, override=None) -> mx.Dtype:
+    """The dtype K/V are kept in: the model's compute dtype unless ``override`` ("float16",
+    "bfloat16", "float32" or an mx.Dtype) says otherwise.  float16 halves K/V memory; on CPU the
+    model still computes in float32 and reads K/V back in it."""
+    return compute_dtype if override is None else _dtype(override, "kv_dtype")
+
+
 def prefix_cache_bytes(device=None) -> int:
     """The prefix cache's default byte budget: an eighth of the memory that holds K/V (the
     machine's RAM on CPU; MLX's recommended working set on a GPU), at most 4 GiB."""

@@ -90,7 +90,7 @@ class _OnHost:
 
 class Engine:
     def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512,
-                 prefix_cache_bytes: int | None = None, prefix_block_size: int = BLOCK_SIZE):
+                 prefix_cache_bytes: int | None = None, prefix_block_size: int = BLOCK_SIZE, kv_dtype=None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         if not isinstance(max_len, int) or max_len < 2:
@@ -102,11 +102,12 @@ class Engine:
             raise ValueError(f"prefix_cache_bytes must be an int >= 0 (0: no prefix cache; None: the device's "
                              f"default), got {prefix_cache_bytes!r}")
         self.model, self.slots, self.max_len = model, slots, max_len
-        self.table = SlotTable(model.config, slots=slots, max_len=max_len, dtype=model.dtype)
+        self.table = SlotTable(model.config, slots=slots, max_len=max_len,
+                               dtype=device.kv_dtype(model.dtype, override=kv_dtype))
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
         self.items = ItemProcessor(self.table)
-        self.prefix_cache = _prefix_cache(model, prefix_cache_bytes, prefix_block_size)
+        self.prefix_cache = _prefix_cache(model, self.table.keys[0].dtype, prefix_cache_bytes, prefix_block_size)
         if self.prefix_cache is not None:
             self.items.on_release = self._cache_what_it_holds
         self.rows = RowParams(slots, model.config.vocab_size)
@@ -376,7 +377,7 @@ class Engine:
         }
 
 
-def _prefix_cache(model, budget: int | None, block_size: int) -> PrefixCache | None:
+def _prefix_cache(model, dtype, budget: int | None, block_size: int) -> PrefixCache | None:
     """The engine's prefix cache: ``budget`` bytes (None: the device's default; 0: none) in blocks of
     ``block_size`` tokens."""
     if budget is None:
@@ -385,7 +386,7 @@ def _prefix_cache(model, budget: int | None, block_size: int) -> PrefixCache | N
         return None
     cfg = model.config
     return PrefixCache(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                       dtype=model.dtype, budget_bytes=budget, block_size=block_size)
+                       dtype=dtype, budget_bytes=budget, block_size=block_size)
 
 
 def _spread(a, slots, b):

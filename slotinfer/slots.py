@@ -105,7 +105,7 @@ def _check_fits(need: int, slots: int, max_len: int):
 def scatter(cache, index, new):
     """Write ``new`` [n, heads, L, dim] into ``cache`` at ``index`` (from :meth:`SlotTable.flat_index`);
     returns the updated cache, written in place when nothing else holds ``cache``."""
-    flat = mx.put_along_axis(cache.reshape(-1), index, new.reshape(-1), axis=0)
+    flat = mx.put_along_axis(cache.reshape(-1), index, new.reshape(-1).astype(cache.dtype), axis=0)
     return flat.reshape(cache.shape)
 
 
@@ -128,7 +128,8 @@ class DecodeView:
     def update(self, layer, k, v):
         self.keys[layer] = scatter(self.keys[layer], self.index, k)
         self.values[layer] = scatter(self.values[layer], self.index, v)
-        return self._rows(self.keys[layer]), self._rows(self.values[layer])
+        # K/V stored in another dtype than the model computes in (float16 on CPU) are read back in its own
+        return self._rows(self.keys[layer]).astype(k.dtype), self._rows(self.values[layer]).astype(v.dtype)
 
     def _rows(self, cache):
         if self.rows is None:
@@ -168,7 +169,8 @@ class PrefillView:
         t.values[layer] = scatter(t.values[layer], self.index, v)
         if self.fresh:
             return k, v
-        return t.keys[layer][self.rows, :, : self.span], t.values[layer][self.rows, :, : self.span]
+        return (t.keys[layer][self.rows, :, : self.span].astype(k.dtype),
+                t.values[layer][self.rows, :, : self.span].astype(v.dtype))
 
     def mask(self, layer, L, window):
         if window not in self._masks:

@@ -9,10 +9,12 @@ import math
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import slotinfer
 from slotinfer.decoder import row_bucket, row_buckets, step_rows
 from slotinfer.engine import Engine
 
@@ -87,3 +89,28 @@ inf.close()
     assert proc.returncode == 0, proc.stderr
     assert "refused: the K/V slot table of 64 slots x 200000 tokens needs" in proc.stdout
     assert "lower slots or max_len" in proc.stdout and "served: 3" in proc.stdout
+
+
+def test_float16_kv_halves_the_table_and_keeps_batch_independence(models):
+    """K/V kept in float16 (the model computing in float32) take half the bytes; a request's
+    greedy tokens are the same alone or beside others, as with float32 K/V."""
+    m = models["qwen3"]
+    prompts = [[5, 6, 7, 8, 9], [40, 41], [100, 7, 300, 12, 13, 14, 15, 16], [3]]
+
+    def run(slots, ps, dtype):
+        eng = Engine(m, slots=slots, max_len=64, kv_dtype=dtype)
+        items = [eng.make_item(p, max_tokens=10, ignore_eos=True) for p in ps]
+        for it in items:
+            eng.add(it)
+        eng.run_until_done()
+        return eng, [it.handle.result(0).tokens for it in items]
+
+    half, together = run(4, prompts, "float16")
+    full, _ = run(4, prompts, None)
+    assert half.table.keys[0].dtype == mx.float16 and half.memory()["kv_cache_bytes"] * 2 == full.memory()["kv_cache_bytes"]
+    assert together == [run(1, [p], "float16")[1][0] for p in prompts]
+
+
+def test_a_bad_kv_dtype_is_refused(models):
+    with pytest.raises(slotinfer.InvalidRequestError, match="kv_dtype must be one of"):
+        slotinfer.Inferencer(models["llama"], slots=1, max_len=64, kv_dtype="int8", start=False)
