@@ -104,7 +104,9 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
     check_weights(cfg, weights, quant)
     if settings.check_finite():
         check_finite(weights, path.name)
-    weights = _prepare(cfg, weights, quant, compute, keep_q)
+    prepared = _prepare(cfg, weights, quant, compute, keep_q)
+    weights.clear()  # the caller's references too: each source tensor is freed once what replaces it is made
+    weights = prepared
 
     net = Transformer(cfg, device.model_ops())
     kept = {name.rsplit(".", 1)[0]: quant[name.rsplit(".", 1)[0]] for name in weights if name.endswith(".scales")}
@@ -117,7 +119,8 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
 
 
 def _load_gguf(file: Path, dtype) -> Model:
-    cfg, weights, quant, meta = gguf.read(file)
+    cfg, weights, quant, meta = gguf.read(file, keep_quantized=device.keep_quantized() and dtype is None,
+                                          dtype=device.compute_dtype(mx.float32, override=dtype))
     tok = Tokenizer.from_gguf(meta, file.name)
     if tok.vocab_size > cfg.vocab_size:
         raise TokenizerError(
