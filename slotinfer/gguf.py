@@ -46,6 +46,7 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 _SHORT_ARRAY = 4096  # numeric arrays up to this length are read as lists (one entry per layer)
 _MAGIC = b"GGUF"
+_DEQUANTIZE_VALUES = 2**22  # values dequantized at once (16 MiB of float32 output)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,8 @@ class _Reader:
 
 
 def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32):
-    """(ModelConfig, {checkpoint name: array}, {module: quantization}, metadata) of a GGUF file.
+    """(ModelConfig, {checkpoint name: array}, {module: quantization}, metadata, checked) of a GGUF file;
+    ``checked``: every tensor was found free of NaN and Inf here (``SLOTINFER_CHECK_FINITE``).
 
     The config is built from the scanned header and checked against the tensor table before any
     tensor data is read.  Tensors that gguf's reference dequantizes become ``dtype`` arrays, or MLX
@@ -256,14 +258,14 @@ def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32):
             module = hf_names[t.name].rsplit(".", 1)[0]
             for kind, w in parts(t).items():
                 out[f"{module}.{kind}"] = place(module, kind, w)
-        return cfg, out, quant, meta
+        return cfg, out, quant, meta, False
     for t in tensors:  # one tensor at a time, each evaluated before the next is read
         module = hf_names[t.name].rsplit(".", 1)[0]
         for kind, w in _tensor(path, t, keep_quantized, dtype, quant, module).items():
             w = place(module, kind, w)
             mx.eval(w)
             out[f"{module}.{kind}"] = w
-    return cfg, out, quant, meta
+    return cfg, out, quant, meta, settings.check_finite()
 
 
 def _mlx_parts(path: Path, tensors: list[TensorInfo], quant: dict, hf_names: dict):
@@ -291,26 +293,51 @@ def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict,
     kind = t.name.rsplit(".", 1)[1]
     count = int(np.prod(t.shape, dtype=np.int64))
     if t.type == _BF16:
-        return {kind: _bf16(path, t)}
+        w = _bf16(path, t)
+        _check_finite(path, t, np.array(w.astype(mx.float32)))
+        return {kind: w}
     if t.type in (_F32, _F16):
         stored = np.fromfile(path, dtype="<f4" if t.type == _F32 else "<f2", count=count, offset=t.offset)
+        _check_finite(path, t, stored)
         return {kind: mx.array(stored.reshape(t.shape))}
-    per_block, block_bytes = t.block
-    raw = np.fromfile(path, dtype=np.uint8, count=count // per_block * block_bytes, offset=t.offset)
-    gguf = _ggml()
-    w = gguf.quants.dequantize(raw.reshape(*t.shape[:-1], -1), gguf.GGMLQuantizationType(t.type))
-    del raw
-    if settings.check_finite() and not np.isfinite(w).all():
-        raise WeightError(f"{path.name}: tensor {t.name} ({t.type_name}) holds NaN or Inf values once dequantized: "
-                          "its blocks' scales are damaged; re-download the file. SLOTINFER_CHECK_FINITE=0 skips "
-                          "this check")
+    w = _dequantize(path, t)
+    _check_finite(path, t, w)
     if not (keep_quantized and kind == "weight" and len(t.shape) == 2):
         return {kind: mx.array(w, dtype=dtype)}
+    per_block, block_bytes = t.block
     layout = device.requantized_layout(8 * block_bytes / per_block)
     quant[module] = layout
     # half precision in, as MLX's own triples are: the scales and biases come out float16
     q, scales, biases = mx.quantize(mx.array(w, dtype=mx.float16), **layout)
     return {"weight": q, "scales": scales, "biases": biases}
+
+
+def _check_finite(path: Path, t: TensorInfo, w: np.ndarray) -> None:
+    """NaN or Inf refused by the GGUF tensor's name and type (numpy's check is several times MLX's CPU speed)."""
+    if settings.check_finite() and not np.isfinite(w).all():
+        how = "" if t.type in (_F32, _F16, _BF16) else " once dequantized (its blocks' scales are damaged)"
+        raise WeightError(f"{path.name}: tensor {t.name} ({t.type_name}) holds NaN or Inf values{how}; re-download "
+                          "the file. SLOTINFER_CHECK_FINITE=0 skips this check")
+
+
+def _dequantize(path: Path, t: TensorInfo) -> np.ndarray:
+    """gguf's float32 reading of a quantized tensor, a slice of rows at a time: its numpy dequantizers
+    hold several temporaries the size of their output, which for a whole embedding would be gigabytes."""
+    gguf = _ggml()
+    kind = gguf.GGMLQuantizationType(t.type)
+    per_block, block_bytes = t.block
+    row = t.shape[-1] // per_block * block_bytes
+    rows = int(np.prod(t.shape[:-1], dtype=np.int64))
+    out = np.empty((rows, t.shape[-1]), dtype=np.float32)
+    step = max(1, _DEQUANTIZE_VALUES // t.shape[-1])
+    with open_regular(path, error=WeightError) as f:
+        f.seek(t.offset)
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            # blocks are independent: n rows go as one long row, one call (gguf loops in Python per 16 rows)
+            raw = np.fromfile(f, dtype=np.uint8, count=n * row).reshape(1, n * row)
+            out[start:start + n] = gguf.quants.dequantize(raw, kind).reshape(n, t.shape[-1])
+    return out.reshape(t.shape)
 
 
 def _f32(path: Path, t: TensorInfo) -> np.ndarray:

@@ -306,6 +306,21 @@ def quantized(w: np.ndarray, qtype: T) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
 
 
+def add_metadata(writer: gguf.GGUFWriter, meta: dict) -> None:
+    """Each value as llama.cpp's converter types it: ints uint32, floats float32."""
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, value)
+
+
 def write_gguf(folder: Path, out: Path, qtype="F32", *, meta_edits: dict | None = None,
                tensor_edits=None, arch: str | None = None, seed: int = 0) -> Path:
     """Write the model of ``folder`` as a GGUF: 2-D weights as ``qtype``, norms and biases F32.
@@ -325,17 +340,7 @@ def write_gguf(folder: Path, out: Path, qtype="F32", *, meta_edits: dict | None 
     if tensor_edits is not None:
         plan = tensor_edits(plan)
     writer = gguf.GGUFWriter(str(out), arch or ARCH[text_config(folder)["model_type"]])
-    for key, value in meta.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, value)
+    add_metadata(writer, meta)
     rng = np.random.default_rng(seed)
     for name, w, typ in plan:
         if typ == T.F32:
