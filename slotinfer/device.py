@@ -153,6 +153,16 @@ def requantized_layout(bits_per_weight: float) -> dict:
     return {"group_size": 32, "bits": 4 if bits_per_weight <= 5 else 8}
 
 
+def load_threads() -> int:
+    """Threads that dequantize a GGUF tensor's blocks at load, on any device (gguf's numpy
+    dequantizers run on the host and release the GIL): one per usable core, up to 8."""
+    try:
+        cores = blas.usable_cores()
+    except AttributeError:  # no sched_getaffinity (macOS)
+        cores = os.cpu_count() or 1
+    return min(cores, 8)
+
+
 def describe() -> dict:
     """What this process runs on: for logs, bug reports and ``slotinfer --version``."""
     device = default_device()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 _SHORT_ARRAY = 4096  # numeric arrays up to this length are read as lists (one entry per layer)
 _MAGIC = b"GGUF"
-_DEQUANTIZE_VALUES = 2**22  # values dequantized at once (16 MiB of float32 output)
+_DEQUANTIZE_VALUES = 2**20  # values dequantized in one call (4 MiB of float32 output)
 
 
 @dataclass(frozen=True)
@@ -321,8 +322,9 @@ def _check_finite(path: Path, t: TensorInfo, w: np.ndarray) -> None:
 
 
 def _dequantize(path: Path, t: TensorInfo) -> np.ndarray:
-    """gguf's float32 reading of a quantized tensor, a slice of rows at a time: its numpy dequantizers
-    hold several temporaries the size of their output, which for a whole embedding would be gigabytes."""
+    """gguf's float32 reading of a quantized tensor, slices of rows at a time on
+    :func:`slotinfer.device.load_threads` threads: its numpy dequantizers hold several temporaries
+    the size of their output, which for a whole embedding would be gigabytes."""
     gguf = _ggml()
     kind = gguf.GGMLQuantizationType(t.type)
     per_block, block_bytes = t.block
@@ -330,13 +332,21 @@ def _dequantize(path: Path, t: TensorInfo) -> np.ndarray:
     rows = int(np.prod(t.shape[:-1], dtype=np.int64))
     out = np.empty((rows, t.shape[-1]), dtype=np.float32)
     step = max(1, _DEQUANTIZE_VALUES // t.shape[-1])
-    with open_regular(path, error=WeightError) as f:
-        f.seek(t.offset)
-        for start in range(0, rows, step):
-            n = min(step, rows - start)
-            # blocks are independent: n rows go as one long row, one call (gguf loops in Python per 16 rows)
-            raw = np.fromfile(f, dtype=np.uint8, count=n * row).reshape(1, n * row)
-            out[start:start + n] = gguf.quants.dequantize(raw, kind).reshape(n, t.shape[-1])
+
+    def rows_from(start: int) -> None:
+        n = min(step, rows - start)
+        # blocks are independent: n rows go as one long row, one call (gguf loops in Python per 16 rows)
+        raw = np.fromfile(path, dtype=np.uint8, count=n * row, offset=t.offset + start * row).reshape(1, n * row)
+        out[start:start + n] = gguf.quants.dequantize(raw, kind).reshape(n, t.shape[-1])
+
+    starts = range(0, rows, step)
+    threads = min(len(starts), device.load_threads())
+    if threads == 1:
+        for start in starts:
+            rows_from(start)
+    else:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(rows_from, starts))
     return out.reshape(t.shape)
 
 
