@@ -244,3 +244,45 @@ def test_classify_beside_running_streams_changes_neither(model):
     for data in got_cls:
         assert [d["label"] for d in data] == [w.label for w in want_cls]
         assert [d["scores"]["yes"] for d in data] == pytest.approx([w.scores["yes"] for w in want_cls], abs=1e-4)
+
+
+def _serve(model_dir, *flags):
+    """``slotinfer serve`` on the tiny model in a child process: (process, base url)."""
+    proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", str(model_dir("qwen3")), "--port", "0",
+                             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise AssertionError("the server did not report its address: " + proc.stderr.read())
+
+
+def test_past_the_grace_period_every_request_ends_once_with_its_answer(model_dir):
+    """Requests still running when --grace-period runs out end as docs/serve.md says: a stream with an
+    error event and [DONE], a whole request with a JSON 503; no traceback, and exit 0."""
+    proc, url = _serve(model_dir, "--slots", "4", "--max-len", "4096", "--grace-period", "1")
+    try:
+        whole = {}
+        t = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", timeout=60,
+                                                                      json={"prompt": "a", **LONG})))
+        t.start()
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "b"}], "stream": True, **LONG}) as s:
+            lines = s.iter_lines()
+            next(lines)
+            _until(lambda: "slotinfer_requests_running 2.0" in httpx.get(url + "/metrics").text)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        t.join(60)
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2][len("data: "):])
+        assert (last["error"]["code"], last["error"]["type"]) == ("shutting_down", "server_error")
+        assert whole["r"].status_code == 503 and whole["r"].json()["error"]["code"] == "shutting_down"
+        assert proc.wait(timeout=60) == 0
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "CancelledError" not in log and "Cancel" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()

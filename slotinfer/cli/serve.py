@@ -34,6 +34,7 @@ def run(args) -> int:
         import uvicorn
 
         from ..serve.app import build_app
+        from ..serve.shutdown import GracefulServer
     except ImportError as e:
         print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing): pip install 'slotinfer[serve]'",
               file=sys.stderr)
@@ -48,9 +49,10 @@ def run(args) -> int:
     try:
         app = build_app(inf, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.grace_period, lifespan="off")
-        server = uvicorn.Server(config)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
+        # past the grace period every request still running is ended (cancelled rows: a stream's error
+        # event and [DONE], a whole request's 503) before uvicorn would cancel its handler
+        server = GracefulServer(config, grace=args.grace_period, end_requests=app.state.slotinfer.end_requests)
         try:
             sock = _bind(args.host, args.port)  # bound here so that port 0's pick can be announced at any log level
         except OSError as e:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import InvalidRequestError, PromptTooLongError
-from .errors import APIError, bad_param, from_exception
+from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
 from .responses import DONE, Shaper, TokenText, sse, usage
@@ -159,6 +159,9 @@ class _Server:
             results = everything.result()
         except Exception as e:
             return self._refuse(endpoint, e)
+        if any(c.finish_reason == "cancelled" for c in results):  # the server ended it: shutting down
+            self.metrics.outcome(endpoint, "cancelled")
+            return cut_short().response()
         self.metrics.outcome(endpoint, "ok")
         used = usage(prompt_tokens, sum(len(c.tokens) for c in results))
         return JSONResponse(shaper.completion([(i, c, req.logprobs) for i, c in enumerate(results)], used))
@@ -196,10 +199,13 @@ class _Server:
                 except Exception as e:  # this request's rows failed; the stream says so and ends
                     failed = from_exception(e)
                     break
+                if c.finish_reason == "cancelled":  # the server ended it (shutting down), not the model
+                    failed = cut_short()
+                    break
                 generated += len(c.tokens)
                 yield shaper.chunk(i, "", finish=c.finish_reason)
             if failed is not None:
-                outcome = "error"
+                outcome = "cancelled" if failed.code == "shutting_down" else "error"
                 yield sse(failed.body())
             else:
                 outcome = "ok"
@@ -255,6 +261,11 @@ class _Server:
         return out
 
     # -- the shell --------------------------------------------------------------------
+
+    def end_requests(self):
+        """End every request now, each with its answer (a 503, or a stream's error event and ``[DONE]``):
+        the server is shutting down and its grace period ran out.  Closes the Inferencer without draining."""
+        self.inf.close(drain=False)
 
     def _refuse(self, endpoint: str, e: BaseException) -> Response:
         err = from_exception(e, retry_after=self.retry_after)

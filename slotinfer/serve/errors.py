@@ -35,6 +35,12 @@ def bad_param(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
+def cut_short() -> APIError:
+    """503 for a request the server ended before it finished: it was shutting down."""
+    return APIError(503, "the server shut down before this request finished; send it again once the server is back "
+                         "(or to another instance)", type="server_error", code="shutting_down")
+
+
 def from_exception(e: BaseException, *, retry_after: int = 1) -> APIError:
     """The response for an exception raised while taking or running a request."""
     if isinstance(e, APIError):
