@@ -286,3 +286,28 @@ def test_past_the_grace_period_every_request_ends_once_with_its_answer(model_dir
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(model):
+    """Tokenizing a prompt of megabytes takes seconds: meanwhile /health answers at once (the gaps between
+    answers are measured, so that a client thread held up in this process counts too)."""
+    text = "the quick brown fox jumps over the lazy dog; " * 50_000  # 2.2 MB
+    t0 = time.perf_counter()
+    model.tokenizer.encode(text)
+    alone = time.perf_counter() - t0
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, \
+            serving(build_app(inf, max_body_bytes=16 << 20)) as url:
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=httpx.post(url + "/v1/completions", timeout=120,
+                                                                    json={"prompt": text, "max_tokens": 1})))
+        answered = [time.perf_counter()]
+        t.start()
+        with httpx.Client(timeout=120) as c:
+            while t.is_alive():
+                assert c.get(url + "/health").status_code == 200
+                answered.append(time.perf_counter())
+                time.sleep(0.02)
+        t.join()
+    assert out["r"].status_code == 400 and out["r"].json()["error"]["code"] == "context_length_exceeded"
+    worst = max(b - a for a, b in zip(answered, answered[1:]))
+    assert alone > 1.0 and worst < alone / 4, (alone, worst)

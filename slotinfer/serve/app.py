@@ -106,7 +106,8 @@ class _Server:
             self._authorize(request)
             req = (parse_chat if chat else parse_completion)(await self._json(request))
             self._check_model(req.model)
-            handles, prompt_tokens = self._submit(req)
+            prompts = await asyncio.to_thread(self._encode, req)  # seconds for a prompt of megabytes
+            handles, prompt_tokens = self._submit(req, prompts)
         except Exception as e:
             return self._refuse(endpoint, e)
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -115,14 +116,19 @@ class _Server:
             return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
         return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
 
-    def _submit(self, req: GenerateRequest):
-        """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
+    def _encode(self, req: GenerateRequest) -> list[list[int]]:
+        """The token ids of each prompt (chat messages rendered with the model's template), on a worker
+        thread: the event loop goes on serving every other request meanwhile."""
         model, param = self.model, "messages" if req.chat else "prompt"
         try:
-            prompts = [model.encode_prompt(model.chat_prompt(messages=p) if req.chat else p) for p in req.prompts]
+            return [model.encode_prompt(model.chat_prompt(messages=p) if req.chat else p) for p in req.prompts]
         except InvalidRequestError as e:  # the prompt itself: too long, empty, ids outside the vocabulary
             raise APIError(400, str(e), param=param,
                            code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None) from None
+
+    def _submit(self, req: GenerateRequest, prompts: list[list[int]]):
+        """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
+        model = self.model
         loop = asyncio.get_running_loop()
         handles = []
         try:
