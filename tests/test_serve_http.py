@@ -311,3 +311,20 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(model):
     assert out["r"].status_code == 400 and out["r"].json()["error"]["code"] == "context_length_exceeded"
     worst = max(b - a for a, b in zip(answered, answered[1:]))
     assert alone > 1.0 and worst < alone / 4, (alone, worst)
+
+
+def test_a_request_that_can_never_fit_is_400_before_tokenizing(model):
+    """More rows than slots + queue bound could ever hold: a 400 naming n or prompt, never a 429 that a
+    client would retry forever; a request of exactly that many rows runs on an idle server."""
+    too_long = "word " * 5000  # tokenized first, it would be context_length_exceeded
+    with slotinfer.Inferencer(model, slots=2, max_len=64, max_queue=2) as inf, serving(build_app(inf)) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": too_long, "n": 5, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "2 slots" in r.json()["error"]["message"] and "2 queued" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": [too_long] * 5, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        for _ in range(5):
+            r = httpx.post(url + "/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text

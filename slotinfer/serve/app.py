@@ -106,8 +106,9 @@ class _Server:
             self._authorize(request)
             req = (parse_chat if chat else parse_completion)(await self._json(request))
             self._check_model(req.model)
+            self._check_fits(req)
             prompts = await asyncio.to_thread(self._encode, req)  # seconds for a prompt of megabytes
-            handles, prompt_tokens = self._submit(req, prompts)
+            handles, prompt_tokens = await self._submit(req, prompts)
         except Exception as e:
             return self._refuse(endpoint, e)
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -115,6 +116,30 @@ class _Server:
         if req.stream:
             return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
         return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
+
+    def _check_fits(self, req: GenerateRequest):
+        """400 for a request with more rows than the slots and the queue bound hold together: a 429 would
+        have its client retry forever."""
+        bound, slots = self.inf._max_queue, self.inf.engine.slots
+        rows, most = len(req.prompts) * req.n, slots + self.inf._max_queue
+        if bound and rows > most:
+            param = "prompt" if len(req.prompts) > most else "n"
+            what = f"{len(req.prompts)} prompts x n={req.n}" if len(req.prompts) > 1 else f"n={req.n}"
+            raise bad_param(param, f"this request asks for {rows} rows ({what}); this server holds at most {most} "
+                                   f"at once ({slots} slots + {bound} queued): lower n or send fewer prompts per request")
+
+    async def _await_room(self, rows: int):
+        """Wait, briefly, while the queue bound is full of rows that free slots await (those this request
+        submitted a moment ago, until the worker's next turn moves them), so that a request that fits the
+        server is taken whole.  With no room to come, return at once: the submit that follows is a 429."""
+        bound, slots = self.inf._max_queue, self.inf.engine.slots
+        pause, deadline = 0.001, time.monotonic() + 1.0
+        while bound and time.monotonic() < deadline:
+            s = self.inf.stats()
+            if s["waiting"] < bound or s["active_slots"] + s["waiting"] + rows > slots + bound:
+                return
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.02)
 
     def _encode(self, req: GenerateRequest) -> list[list[int]]:
         """The token ids of each prompt (chat messages rendered with the model's template), on a worker
@@ -126,12 +151,13 @@ class _Server:
             raise APIError(400, str(e), param=param,
                            code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None) from None
 
-    def _submit(self, req: GenerateRequest, prompts: list[list[int]]):
+    async def _submit(self, req: GenerateRequest, prompts: list[list[int]]):
         """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
         model = self.model
         loop = asyncio.get_running_loop()
         handles = []
         try:
+            left = len(prompts) * req.n
             for ids in prompts:
                 room = min(self.inf.engine.max_len, model.context_length) - len(ids)
                 max_tokens = req.max_tokens or (max(room, 1) if req.chat else DEFAULT_MAX_TOKENS)
@@ -139,6 +165,8 @@ class _Server:
                     params = dict(req.params)
                     if "seed" in params:  # n rows of one seeded request: distinct, reproducible draws
                         params["seed"] = (params["seed"] + j) % 2**32
+                    await self._await_room(left)
+                    left -= 1
                     handles.append(self.inf.submit(ids, block=False, loop=loop, max_tokens=max_tokens,
                                                    logprobs=req.logprobs, top_logprobs=req.top_logprobs, **params))
         except BaseException:
