@@ -328,3 +328,19 @@ def test_a_request_that_can_never_fit_is_400_before_tokenizing(model):
         for _ in range(5):
             r = httpx.post(url + "/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2}, timeout=60)
             assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_the_socket_closed(model):
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, serving(build_app(inf, read_timeout=0.5)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # and then nothing (slowloris)
+        t0 = time.monotonic()
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+        s.close()
+        assert got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got, got
+        assert time.monotonic() - t0 < 5
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200

@@ -23,6 +23,8 @@ def add_parser(sub):
                    help="require 'Authorization: Bearer KEY' (default: $SLOTINFER_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the model's folder name)")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get 413")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive; a slower one gets 408 (default 30)")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -48,7 +50,7 @@ def run(args) -> int:
     inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue)
     try:
         app = build_app(inf, served_model_name=args.served_model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
         # past the grace period every request still running is ended (cancelled rows: a stream's error
         # event and [DONE], a whole request's 503) before uvicorn would cancel its handler

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import InvalidRequestError, PromptTooLongError
+from ..request import short
 from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
@@ -29,7 +30,7 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what t
 
 
 def build_app(inferencer, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = 8 << 20, retry_after: int = 1) -> Starlette:
+              max_body_bytes: int = 8 << 20, read_timeout: float = 30.0, retry_after: int = 1) -> Starlette:
     """The ASGI app serving ``inferencer`` (started; closing it stays the caller's).
 
         >>> inf = slotinfer.Inferencer(slotinfer.load("path/to/model"), slots=32, max_queue=64)
@@ -37,10 +38,11 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
         >>> uvicorn.run(app, host="127.0.0.1", port=8000)
 
     ``api_key`` (when set) is required as ``Authorization: Bearer KEY`` on ``/v1/*``;
-    bodies over ``max_body_bytes`` get 413; ``retry_after`` is the Retry-After of a 429.
+    bodies over ``max_body_bytes`` get 413, and bodies not received within ``read_timeout`` seconds
+    408; ``retry_after`` is the Retry-After of a 429.
     """
     server = _Server(inferencer, served_model_name or inferencer.model.path.name, api_key, max_body_bytes,
-                     retry_after)
+                     read_timeout, retry_after)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_page, methods=["GET"]),
@@ -56,7 +58,8 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
 
 async def _http_error(request, exc: HTTPException):
     code = "not_found" if exc.status_code == 404 else None
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+    return APIError(exc.status_code, f"{request.method} {short(request.url.path, 200)}: {exc.detail}",
+                    code=code).response()
 
 
 async def _internal_error(request, exc: Exception):
@@ -64,9 +67,10 @@ async def _internal_error(request, exc: Exception):
 
 
 class _Server:
-    def __init__(self, inferencer, name: str, api_key, max_body_bytes: int, retry_after: int):
+    def __init__(self, inferencer, name: str, api_key, max_body_bytes: int, read_timeout: float, retry_after: int):
         self.inf, self.model, self.name = inferencer, inferencer.model, name
         self.api_key, self.max_body, self.retry_after = api_key, max_body_bytes, retry_after
+        self.read_timeout = read_timeout
         self.metrics = Metrics(inferencer)
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
@@ -141,6 +145,18 @@ class _Server:
             await asyncio.sleep(pause)
             pause = min(2 * pause, 0.02)
 
+    def _check_room(self, req: GenerateRequest, ids: list[int]):
+        """400 quoting the client's own max_tokens where the prompt and it overflow a slot (the engine's
+        rule: max_tokens past the model's context counts up to the context)."""
+        max_len, asked, key, n = self.inf.engine.max_len, req.max_tokens, req.max_tokens_param, len(ids)
+        if asked is None or n + min(asked, self.model.context_length - n) <= max_len:
+            return
+        fix = f"lower {key} to at most {max_len - n}" if n < max_len else f"shorten the prompt below {max_len} tokens"
+        raise APIError(400, f"the prompt has {n} tokens and {key} is {asked}: {n + asked} > this server's max_len of "
+                            f"{max_len} tokens per request (--max-len); {fix}",
+                       param=key if n < max_len else "messages" if req.chat else "prompt",
+                       code="context_length_exceeded")
+
     def _encode(self, req: GenerateRequest) -> list[list[int]]:
         """The token ids of each prompt (chat messages rendered with the model's template), on a worker
         thread: the event loop goes on serving every other request meanwhile."""
@@ -159,6 +175,7 @@ class _Server:
         try:
             left = len(prompts) * req.n
             for ids in prompts:
+                self._check_room(req, ids)
                 room = min(self.inf.engine.max_len, model.context_length) - len(ids)
                 max_tokens = req.max_tokens or (max(room, 1) if req.chat else DEFAULT_MAX_TOKENS)
                 for j in range(req.n):
@@ -303,8 +320,8 @@ class _Server:
 
     def _refuse(self, endpoint: str, e: BaseException) -> Response:
         err = from_exception(e, retry_after=self.retry_after)
-        self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "invalid",
-                                        429: "rejected"}.get(err.status, "error"))
+        self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 408: "invalid",
+                                        413: "invalid", 429: "rejected"}.get(err.status, "error"))
         return err.response()
 
     def _authorize(self, request: Request):
@@ -312,8 +329,8 @@ class _Server:
 
     def _check_model(self, name):
         if name is not None and name != self.name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.name!r}",
+            raise APIError(404, f"the model {short(name)} does not exist; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
     async def _json(self, request: Request) -> dict:
-        return await read_json(request, self.max_body)
+        return await read_json(request, self.max_body, self.read_timeout)
