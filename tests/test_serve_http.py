@@ -260,13 +260,16 @@ def _serve(model_dir, *flags):
 
 def test_past_the_grace_period_every_request_ends_once_with_its_answer(model_dir):
     """Requests still running when --grace-period runs out end as docs/serve.md says: a stream with an
-    error event and [DONE], a whole request with a JSON 503; no traceback, and exit 0."""
+    error event and [DONE], a whole request (a classify too) with a JSON 503; no traceback, and exit 0."""
     proc, url = _serve(model_dir, "--slots", "4", "--max-len", "4096", "--grace-period", "1")
     try:
         whole = {}
         t = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", timeout=60,
                                                                       json={"prompt": "a", **LONG})))
+        c = threading.Thread(target=lambda: whole.update(c=httpx.post(url + "/v1/classify", timeout=60,
+                                                                      json=_classify_body(600))))
         t.start()
+        c.start()
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
                 "messages": [{"role": "user", "content": "b"}], "stream": True, **LONG}) as s:
             lines = s.iter_lines()
@@ -275,10 +278,12 @@ def test_past_the_grace_period_every_request_ends_once_with_its_answer(model_dir
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         t.join(60)
+        c.join(60)
         assert rest[-1] == "data: [DONE]"
         last = json.loads(rest[-2][len("data: "):])
         assert (last["error"]["code"], last["error"]["type"]) == ("shutting_down", "server_error")
-        assert whole["r"].status_code == 503 and whole["r"].json()["error"]["code"] == "shutting_down"
+        for r in whole.values():  # a whole completion, a classify stopped between two batches
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
         assert proc.wait(timeout=60) == 0
         log = proc.stderr.read()
         assert "Traceback" not in log and "CancelledError" not in log and "Cancel" not in log, log
@@ -344,3 +349,48 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_the_socket_closed(model)
         assert got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got, got
         assert time.monotonic() - t0 < 5
         assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def _classify_body(inputs: int, rng=random.Random(5)):
+    words = ["good", "bad", "food", "day", "nice", "the", "a", "movie", "was", "not"]
+    return {"input": [" ".join(rng.choice(words) for _ in range(20)) for _ in range(inputs)], "prefix": "Q: ",
+            "labels": ["very good", "quite bad", "not sure at all", "maybe later", "good day", "bad food", "all the way",
+                       "on the other hand"]}
+
+
+def test_classify_past_its_limits_is_400_before_any_work(model):
+    from slotinfer.serve.schemas import ClassifyLimits
+
+    limits = ClassifyLimits(inputs=8, labels=3, tokens=200)
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, \
+            serving(build_app(inf, classify_limits=limits)) as url:
+        for body, param, figure in [
+                ({"input": ["a"] * 9, "labels": ["x", "y"]}, "input", "8"),
+                ({"input": ["a"], "labels": ["w", "x", "y", "z"]}, "labels", "3"),
+                ({"input": ["a b c d e f g h i j"] * 8, "labels": ["x", "y"], "prefix": "p " * 200}, "prefix", "200"),
+                ({**_classify_body(8), "labels": ["x", "y"]}, "input", "200"),
+                ({"input": ["a"] * 8, "labels": ["x", "y", "yes yes yes yes yes yes yes yes " * 4]}, "labels", "200")]:
+            r = httpx.post(url + "/v1/classify", json=body, timeout=60)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and figure in err["message"], (body, r.text)
+        assert httpx.post(url + "/v1/classify", json={"input": ["a"] * 8, "labels": ["x", "y"]}).status_code == 200
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, serving(build_app(inf)) as url:  # the defaults
+        r = httpx.post(url + "/v1/classify", json={"input": ["a"] * 2049, "labels": ["x", "y"]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input" and "2048" in r.text
+
+
+def test_a_classify_whose_client_left_stops_at_its_next_batch(model):
+    """A classify of ~10 s whose client goes away after 1 s frees the classifier for the next one."""
+    from slotinfer.serve.schemas import ClassifyLimits
+
+    big = json.dumps(_classify_body(2048)).encode()
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, \
+            serving(build_app(inf, classify_limits=ClassifyLimits(tokens=1 << 20))) as url:
+        s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(big) + big)
+        time.sleep(1.5)
+        s.close()
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/classify", json={"input": ["fine"], "labels": ["yes", "no"]}, timeout=120)
+        assert r.status_code == 200 and time.monotonic() - t0 < 2, time.monotonic() - t0

@@ -9,6 +9,7 @@ cancels its handles, which frees their slots at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,13 +25,14 @@ from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
 from .responses import DONE, Shaper, TokenText, sse, usage
-from .schemas import GenerateRequest, parse_chat, parse_classify, parse_completion
+from .schemas import ClassifyLimits, GenerateRequest, parse_chat, parse_classify, parse_completion
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
 
 
 def build_app(inferencer, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = 8 << 20, read_timeout: float = 30.0, retry_after: int = 1) -> Starlette:
+              max_body_bytes: int = 8 << 20, read_timeout: float = 30.0, retry_after: int = 1,
+              classify_limits: ClassifyLimits = ClassifyLimits()) -> Starlette:
     """The ASGI app serving ``inferencer`` (started; closing it stays the caller's).
 
         >>> inf = slotinfer.Inferencer(slotinfer.load("path/to/model"), slots=32, max_queue=64)
@@ -39,10 +41,11 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
 
     ``api_key`` (when set) is required as ``Authorization: Bearer KEY`` on ``/v1/*``;
     bodies over ``max_body_bytes`` get 413, and bodies not received within ``read_timeout`` seconds
-    408; ``retry_after`` is the Retry-After of a 429.
+    408; ``retry_after`` is the Retry-After of a 429; a /v1/classify request past ``classify_limits``
+    (inputs, labels, tokens) gets 400.
     """
     server = _Server(inferencer, served_model_name or inferencer.model.path.name, api_key, max_body_bytes,
-                     read_timeout, retry_after)
+                     read_timeout, retry_after, classify_limits)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_page, methods=["GET"]),
@@ -56,6 +59,10 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
     return app
 
 
+class _Stopped(Exception):
+    """A classify job stopped between two batches: its client left, or the server is ending its requests."""
+
+
 async def _http_error(request, exc: HTTPException):
     code = "not_found" if exc.status_code == 404 else None
     return APIError(exc.status_code, f"{request.method} {short(request.url.path, 200)}: {exc.detail}",
@@ -67,7 +74,8 @@ async def _internal_error(request, exc: Exception):
 
 
 class _Server:
-    def __init__(self, inferencer, name: str, api_key, max_body_bytes: int, read_timeout: float, retry_after: int):
+    def __init__(self, inferencer, name: str, api_key, max_body_bytes: int, read_timeout: float, retry_after: int,
+                 classify_limits: ClassifyLimits):
         self.inf, self.model, self.name = inferencer, inferencer.model, name
         self.api_key, self.max_body, self.retry_after = api_key, max_body_bytes, retry_after
         self.read_timeout = read_timeout
@@ -77,6 +85,8 @@ class _Server:
         # classify runs prefill-only batches on the model outside the slot table, one batch at a time
         self._classifier = ThreadPoolExecutor(1, thread_name_prefix="slotinfer-classify")
         self._classify_pending = 0
+        self.classify_limits = classify_limits
+        self._ending = False  # set by end_requests
 
     # -- plain pages ----------------------------------------------------------------
 
@@ -273,22 +283,33 @@ class _Server:
     # -- classification -------------------------------------------------------------
 
     async def classify(self, request: Request):
+        stop = threading.Event()  # set when its client leaves: the job ends at its next batch
         try:
             self._authorize(request)
-            req = parse_classify(await self._json(request))
+            req = parse_classify(await self._json(request), self.classify_limits)
             self._check_model(req.model)
-            if req.labels is None:
-                raise bad_param("labels", "'labels' is required: the classes to choose from")
             bound = self.inf._max_queue  # classify waits in its own line, as long as the engine's (0: unbounded)
             if bound and self._classify_pending >= bound:
                 raise APIError(429, f"{bound} classification requests are already waiting; retry later",
                                type="rate_limit_error", code="rate_limit_exceeded",
                                headers={"Retry-After": str(self.retry_after)})
             self._classify_pending += 1
+            job = asyncio.get_running_loop().run_in_executor(self._classifier, self._run_classify, req, stop)
+            job.add_done_callback(self._classify_done)
+            gone = asyncio.ensure_future(disconnected(request))
             try:
-                results = await asyncio.get_running_loop().run_in_executor(self._classifier, self._run_classify, req)
+                await asyncio.wait([job, gone], return_when=asyncio.FIRST_COMPLETED)
             finally:
-                self._classify_pending -= 1
+                gone.cancel()
+                stop.set()  # a no-op for a job that ended
+            if not job.done():  # the client went away: no one reads an answer
+                self.metrics.outcome("classify", "cancelled")
+                return Response(status_code=499)
+            try:
+                results = job.result()
+            except _Stopped:
+                self.metrics.outcome("classify", "cancelled")
+                return cut_short().response()
             for i, r in enumerate(results):
                 if r.error is not None:
                     raise APIError(400, f"input[{i}]: {r.error}", param="input")
@@ -301,21 +322,67 @@ class _Server:
                              "data": [{"index": i, "label": r.label, "scores": r.scores} for i, r in enumerate(results)],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    def _run_classify(self, req):
+    def _classify_done(self, _job):
+        self._classify_pending -= 1
+
+    def _run_classify(self, req, stop: threading.Event):
+        """On the classifier's thread: tokenize, check the request's size, classify batch by batch,
+        stopping between batches once ``stop`` is set or the server is ending its requests."""
         import mlx.core as mx
 
+        def go_on(*_):
+            if stop.is_set() or self._ending:
+                raise _Stopped
+
+        go_on()  # the client may have left, or the server be ending, while this job waited its turn
+        prefix, rows = self._classify_tokens(req)
         if not hasattr(self, "_classify_stream"):  # the executor's one thread gets a stream of its own
             self._classify_stream = mx.new_stream(mx.default_device())
         with mx.stream(self._classify_stream):
-            out = self.model.classify(req.inputs, labels=req.labels, prefix=req.prefix, label_prefix=req.label_prefix)
-            mx.synchronize(self._classify_stream)
-        return out
+            try:
+                return self.model.classify(rows, labels=req.labels, prefix=prefix, label_prefix=req.label_prefix,
+                                           on_result=go_on)
+            finally:
+                mx.synchronize(self._classify_stream)
+
+    def _classify_tokens(self, req) -> tuple[list[int] | None, list]:
+        """The prefix's and each input's ids, as Model.classify takes them (a sentence behind a prefix
+        carries no BOS), and a 400 when the request would run more tokens than its limit allows."""
+        from ..classify import encode_labels
+
+        model, most = self.model, self.classify_limits.tokens
+        try:
+            label_ids = encode_labels(model, req.labels, req.label_prefix).ids
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="labels") from None
+        try:
+            prefix = None if req.prefix is None else model.encode_prompt(req.prefix, what="prefix")
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="prefix") from None
+        rows = []
+        for text in req.inputs:
+            try:
+                rows.append(model.encode_prompt(text, add_special_tokens=prefix is None))
+            except InvalidRequestError:  # a bad input: Model.classify reports it in its row, as input[i]
+                rows.append(text)
+        parts = {"prefix": len(prefix or ()), "input": sum(len(r) for r in rows if not isinstance(r, str)),
+                 "labels": len(rows) * sum(len(ids) - 1 for ids in label_ids)}
+        total = sum(parts.values())
+        if total > most:
+            param = max(parts, key=parts.get)
+            raise APIError(400, f"this classify runs {total} tokens ({parts['input']} of input, {parts['prefix']} of "
+                                f"prefix, {parts['labels']} of labels after their first token, for every input); this "
+                                f"server runs at most {most} per request: send fewer or shorter inputs, or fewer "
+                                f"multi-token labels", param=param)
+        return prefix, rows
 
     # -- the shell --------------------------------------------------------------------
 
     def end_requests(self):
         """End every request now, each with its answer (a 503, or a stream's error event and ``[DONE]``):
-        the server is shutting down and its grace period ran out.  Closes the Inferencer without draining."""
+        the server is shutting down and its grace period ran out.  Closes the Inferencer without draining
+        and stops each classify at its next batch."""
+        self._ending = True
         self.inf.close(drain=False)
 
     def _refuse(self, endpoint: str, e: BaseException) -> Response:

@@ -60,11 +60,21 @@ class GenerateRequest:
     params: dict = field(default_factory=dict)  # for Inferencer.submit
 
 
+@dataclass(frozen=True)
+class ClassifyLimits:
+    """What one /v1/classify request may ask (docs/serve.md): inputs, labels, and the tokens it runs
+    (prefix, inputs, and for every input each multi-token label's tokens after its first)."""
+
+    inputs: int = 2048
+    labels: int = 256
+    tokens: int = 65536
+
+
 @dataclass
 class ClassifyRequest:
     model: str | None
     inputs: list[str]
-    labels: list[str] | None
+    labels: list[str]
     prefix: str | None
     label_prefix: str
 
@@ -203,16 +213,24 @@ def _message(m, i) -> dict:
     return out
 
 
-def parse_classify(body: dict) -> ClassifyRequest:
+def parse_classify(body: dict, limits: ClassifyLimits) -> ClassifyRequest:
     check_fields(body, CLASSIFY_FIELDS, "/v1/classify")
     inputs = body.get("input")
     if isinstance(inputs, str):
         inputs = [inputs]
     if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) and t for t in inputs):
         raise bad_param("input", f"'input' must be a non-empty string or list of non-empty strings, got {short(inputs)}")
+    if len(inputs) > limits.inputs:
+        raise bad_param("input", f"'input' has {len(inputs)} texts; this server classifies at most {limits.inputs} "
+                                 f"per request: split them over several requests")
     labels = _get(body, "labels", (list,), "a list of strings")
-    if labels is not None and (not labels or not all(isinstance(x, str) and x for x in labels)):
+    if labels is None:
+        raise bad_param("labels", "'labels' is required: the classes to choose from")
+    if not labels or not all(isinstance(x, str) and x for x in labels):
         raise bad_param("labels", f"'labels' must be a non-empty list of non-empty strings, got {short(labels)}")
+    if len(labels) > limits.labels:
+        raise bad_param("labels", f"'labels' has {len(labels)} labels; this server scores at most {limits.labels} "
+                                  f"per request")
     return ClassifyRequest(model=_get(body, "model", (str,), "a string"), inputs=inputs, labels=labels,
                            prefix=_get(body, "prefix", (str,), "a string"),
                            label_prefix=_get(body, "label_prefix", (str,), "a string", ""))
