@@ -78,3 +78,16 @@ def test_bad_generate_flags_are_usage_errors(folder, capsys, flag, value):
 def test_serve_without_a_model_is_a_usage_error(capsys):
     rc, _, err = _cli(["serve"], capsys)
     assert rc == 2 and "model" in err
+
+
+def test_install_advice_is_the_checkouts():
+    """slotinfer is not on PyPI: advice to `pip install slotinfer...` would fetch whatever someone
+    uploads under that name. Docs, error messages and help give the checkout's `pip install -e`."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "slotinfer").rglob("*.py")]
+    advice = re.compile(r"pip install[^\n`#]*?[\s'\"]slotinfer\b")
+    found = [f"{f.relative_to(root)}: {m.group(0)}" for f in files for m in advice.finditer(f.read_text())]
+    assert not found, found

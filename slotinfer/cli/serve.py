@@ -38,8 +38,8 @@ def run(args) -> int:
         from ..serve.app import build_app
         from ..serve.shutdown import GracefulServer
     except ImportError as e:
-        print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing): pip install 'slotinfer[serve]'",
-              file=sys.stderr)
+        print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing); in the slotinfer checkout: "
+              f"pip install -e '.[serve]'", file=sys.stderr)
         return 2
     if args.max_queue < 0:
         print("slotinfer: error: --max-queue must be >= 0", file=sys.stderr)
