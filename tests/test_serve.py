@@ -322,3 +322,17 @@ def test_fields_that_change_nothing_here_are_accepted(client):
                                        metadata={"k": "v"}, service_tier="auto", tool_choice="none",
                                        extra_body={"functions": None, "logit_bias": {}})
     assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("path, name", [
+    ("models/Qwen3-0.6B", "Qwen3-0.6B"), ("x/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct"), ("gemma-2-2b.BF16.gguf", "gemma-2-2b"),
+    ("Phi-3-mini-4k-instruct-fp16.gguf", "Phi-3-mini-4k-instruct"), ("model-135M.gguf", "model-135M"),
+    ("hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0123abc", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+])
+def test_the_default_served_name_is_clean(path, name):
+    from pathlib import Path
+
+    from slotinfer.serve.app import default_name
+
+    assert default_name(Path(path)) == name

@@ -21,7 +21,8 @@ def add_parser(sub):
                    help="requests that may wait for a slot; past it a request gets 429 (0: unbounded)")
     p.add_argument("--api-key", default=settings.api_key(),
                    help="require 'Authorization: Bearer KEY' (default: $SLOTINFER_API_KEY; none: open)")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: the model's folder name)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name, the GGUF file's name "
+                        "without .gguf and its quantization suffix, or the hub id)")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get 413")
     p.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive; a slower one gets 408 (default 30)")

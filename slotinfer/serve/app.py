@@ -9,9 +9,11 @@ cancels its handles, which frees their slots at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -44,7 +46,7 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
     408; ``retry_after`` is the Retry-After of a 429; a /v1/classify request past ``classify_limits``
     (inputs, labels, tokens) gets 400.
     """
-    server = _Server(inferencer, served_model_name or inferencer.model.path.name, api_key, max_body_bytes,
+    server = _Server(inferencer, served_model_name or default_name(inferencer.model.path), api_key, max_body_bytes,
                      read_timeout, retry_after, classify_limits)
     routes = [
         Route("/health", server.health, methods=["GET"]),
@@ -57,6 +59,22 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.slotinfer = server
     return app
+
+
+# llama.cpp's type names at the end of a GGUF file's name: .Q4_1, -Q8_0, -q4_k_m, .IQ4_XS, .F16, -bf16, .fp32
+_QUANT_SUFFIX = re.compile(r"[._-](?:[IT]?Q\d+(?:_[A-Z0-9]+)*|B?FP?\d+|MXFP4)$", re.IGNORECASE)
+
+
+def default_name(path: Path) -> str:
+    """A model's name in the API when none is given: a folder's name; a GGUF file's name without
+    ``.gguf`` and its quantization suffix; ``org/name`` for a hub id's snapshot folder."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return _QUANT_SUFFIX.sub("", path.stem) or path.stem
+    repo = path.parent.parent.name  # the Hugging Face cache: models--org--name/snapshots/<revision>
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return path.name
 
 
 class _Stopped(Exception):
