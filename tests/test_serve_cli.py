@@ -3,6 +3,7 @@ sampling flags, progress) and ``slotinfer --version``, on a real tiny model."""
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -91,3 +92,19 @@ def test_install_advice_is_the_checkouts():
     advice = re.compile(r"pip install[^\n`#]*?[\s'\"]slotinfer\b")
     found = [f"{f.relative_to(root)}: {m.group(0)}" for f in files for m in advice.finditer(f.read_text())]
     assert not found, found
+
+
+@pytest.mark.parametrize("command", ["classify", "generate", "serve", "bench", "demo"])
+def test_help_is_plain_text_for_users(command, capsys):
+    """No reST markup or notes for developers in --help, and --model (MODEL) says everything load takes."""
+    rc, out, _ = _cli([command, "--help"], capsys)
+    assert rc == 0
+    for markup in ("``", ":mod:", ":class:", ":meth:", ":func:", "Why one module"):
+        assert markup not in out, markup
+    model_help = re.search(r"\n  (?:--model \w+|model)\s+(.*?)(?:\n  -|\n\n|\n?$)", out, re.S)[1]
+    assert all(w in " ".join(model_help.split()) for w in ("folder", "GGUF", "hub id")), model_help
+
+
+def test_the_demos_help_names_its_model(capsys):
+    _, out, _ = _cli(["--help"], capsys)
+    assert "SmolLM2-135M-Instruct" in re.search(r"\n\s+demo\s+(.*?)\n\s+\w+  ", out, re.S)[1]

@@ -12,7 +12,7 @@ def add_parser(sub):
     from .common import positive_int
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)")
-    p.add_argument("model", help="a model folder, a .gguf file or a hub id (whatever slotinfer.load takes)")
+    p.add_argument("model", help="a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
