@@ -108,3 +108,20 @@ def test_help_is_plain_text_for_users(command, capsys):
 def test_the_demos_help_names_its_model(capsys):
     _, out, _ = _cli(["--help"], capsys)
     assert "SmolLM2-135M-Instruct" in re.search(r"\n\s+demo\s+(.*?)\n\s+\w+  ", out, re.S)[1]
+
+
+def test_lengths_past_the_models_context_are_refused(folder, model, capsys):
+    ctx = model.context_length
+    rc, out, err = _cli(["generate", "--model", folder, "--max-tokens", str(ctx * 10), "hello"], capsys)
+    assert rc == 2 and out == "" and "--max-tokens" in err and str(ctx) in err, err
+    proc = subprocess.run([sys.executable, "-m", "slotinfer", "serve", folder, "--port", "0", "--slots", "1",
+                           "--max-len", str(ctx * 10)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--max-len" in proc.stderr and str(ctx) in proc.stderr, proc.stderr
+
+
+def test_an_empty_prompt_is_an_error_exit(folder, capsys):
+    rc, out, err = _cli(["generate", "--model", folder, ""], capsys)
+    assert rc == 2 and out == "" and "empty" in err, (rc, out, err)
+    rc, out, err = _cli(["generate", "--model", folder, "--max-tokens", "2", "fine", ""], capsys)
+    records = [json.loads(line) for line in out.splitlines()]
+    assert rc == 1 and [r["finish_reason"] for r in records] == ["length", "error"] and "1 of 2" in err

@@ -168,7 +168,7 @@ def test_64_concurrent_streams_each_get_their_solo_tokens(model):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_gracefully_with_exit_0(model_dir, sig):
     proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", str(model_dir("qwen3")), "--port", "0",
-                             "--slots", "2", "--max-len", "4096", "--grace-period", "2"],
+                             "--slots", "2", "--max-len", "2048", "--grace-period", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -262,7 +262,7 @@ def _serve(model_dir, *flags):
 def test_past_the_grace_period_every_request_ends_once_with_its_answer(model_dir):
     """Requests still running when --grace-period runs out end as docs/serve.md says: a stream with an
     error event and [DONE], a whole request (a classify too) with a JSON 503; no traceback, and exit 0."""
-    proc, url = _serve(model_dir, "--slots", "4", "--max-len", "4096", "--grace-period", "1")
+    proc, url = _serve(model_dir, "--slots", "4", "--max-len", "2048", "--grace-period", "1")
     try:
         whole = {}
         t = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", timeout=60,

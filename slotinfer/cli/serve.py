@@ -7,6 +7,9 @@ import socket
 import sys
 
 
+DEFAULT_MAX_LEN = 2048
+
+
 def add_parser(sub):
     from .. import settings
     from .common import positive_int
@@ -16,7 +19,8 @@ def add_parser(sub):
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
-    p.add_argument("--max-len", type=positive_int, default=2048, help="tokens per slot (prompt + output)")
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="tokens per slot, prompt and output (default 2048, or the model's context if shorter)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; past it a request gets 429 (0: unbounded)")
     p.add_argument("--api-key", default=settings.api_key(),
@@ -48,6 +52,12 @@ def run(args) -> int:
     import slotinfer
 
     model = slotinfer.load(args.model)
+    if args.max_len is None:
+        args.max_len = min(DEFAULT_MAX_LEN, model.context_length)
+    if args.max_len > model.context_length:  # before the slot table reserves slots x max_len tokens of K/V
+        print(f"slotinfer: error: --max-len {args.max_len} is beyond the model's context of {model.context_length} "
+              f"tokens; give at most {model.context_length}", file=sys.stderr)
+        return 2
     inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue)
     try:
         app = build_app(inf, served_model_name=args.served_model_name, api_key=args.api_key,
