@@ -424,3 +424,22 @@ def test_the_pages_command_and_client_snippet_work_together(model_dir, tmp_path)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         proc.stderr.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_what_a_huge_prompt_took_is_given_back(model_dir):
+    """Tokenizing 4 MB takes hundreds of MB, which glibc would keep for good: the server's RSS after
+    the request is within 250 MiB of before (it was ~600 MiB over)."""
+    proc, url = _serve(model_dir, "--slots", "2", "--max-len", "64", "--max-body-bytes", str(16 << 20))
+    rss = lambda: int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{proc.pid}/status").read_text())[1]) >> 10  # noqa
+    try:
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        before = rss()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "the quick brown fox; " * 200_000, "max_tokens": 1},
+                       timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert rss() - before < 250, (before, rss())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        proc.stderr.close()

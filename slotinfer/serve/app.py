@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..cpu import allocator
 from ..errors import InvalidRequestError, PromptTooLongError
 from ..request import short
 from .errors import APIError, bad_param, cut_short, from_exception
@@ -30,6 +31,7 @@ from .responses import DONE, Shaper, TokenText, sse, usage
 from .schemas import ClassifyLimits, GenerateRequest, parse_chat, parse_classify, parse_completion
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
+_TRIM_AFTER_CHARS = 1 << 20  # a prompt this long takes hundreds of MB to tokenize, given back after it
 
 
 def build_app(inferencer, *, served_model_name: str | None = None, api_key: str | None = None,
@@ -189,11 +191,17 @@ class _Server:
         """The token ids of each prompt (chat messages rendered with the model's template), on a worker
         thread: the event loop goes on serving every other request meanwhile."""
         model, param = self.model, "messages" if req.chat else "prompt"
+        texts = []
         try:
-            return [model.encode_prompt(model.chat_prompt(messages=p) if req.chat else p) for p in req.prompts]
+            for p in req.prompts:
+                texts.append(model.chat_prompt(messages=p) if req.chat else p)
+            return [model.encode_prompt(t) for t in texts]
         except InvalidRequestError as e:  # the prompt itself: too long, empty, ids outside the vocabulary
             raise APIError(400, str(e), param=param,
                            code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None) from None
+        finally:
+            if any(isinstance(t, str) and len(t) > _TRIM_AFTER_CHARS for t in texts):
+                allocator.release_free_memory()  # what tokenizing megabytes took goes back to the system
 
     async def _submit(self, req: GenerateRequest, prompts: list[list[int]]):
         """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
