@@ -11,14 +11,27 @@ editing the C source in a checkout, rebuild it with
 `python setup.py build_ext --inplace`.
 """
 
+import logging
 import sys
+import warnings
 
 from setuptools import Extension, setup
 
+# `pip install -e .` (the install README gives) would print setuptools' notices about editable
+# installs in a box: that a path finder is used, and to mind folders named like the package.  Both
+# describe a checkout working as intended; errors and real warnings still show.
+logging.getLogger("setuptools.command.editable_wheel").setLevel(logging.ERROR)
+try:
+    from setuptools.warnings import InformationOnly
+    warnings.filterwarnings("ignore", category=InformationOnly)
+except ImportError:  # an older setuptools, without these notices
+    pass
+
 ext_modules = []
 if sys.platform == "linux":
+    # -Wno-psabi: GCC's note that the AVX kernels' ABI changed in GCC 4.6 concerns no caller here
     ext_modules.append(Extension("slotinfer.cpu._blas_shim", ["slotinfer/cpu/_blas_shim.c"],
                                  depends=["slotinfer/cpu/_blas_kernels.h"], libraries=["dl", "pthread"],
-                                 extra_compile_args=["-O3", "-pthread"], optional=True))
+                                 extra_compile_args=["-O3", "-pthread", "-Wno-psabi"], optional=True))
 
 setup(ext_modules=ext_modules)

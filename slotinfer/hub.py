@@ -56,6 +56,8 @@ def split_id(text) -> tuple[str, str | None] | None:
 def local_path(path, revision: str | None = None):
     """``path`` itself when it exists or is not a repo id; else the cached (or fetched) snapshot of the id."""
     parts = None if Path(path).expanduser().exists() else split_id(path)
+    if parts is not None and parts[1] is None:
+        _check_not_a_local_typo(parts[0])
     if parts is None:
         if revision is not None:
             raise InvalidRequestError(
@@ -65,6 +67,23 @@ def local_path(path, revision: str | None = None):
     if revision is not None and (not isinstance(revision, str) or not revision):
         raise InvalidRequestError(f"revision must be a branch, tag or commit hash (a non-empty str), got {revision!r}")
     return resolve(*parts, revision=revision)
+
+
+def _check_not_a_local_typo(repo_id: str):
+    """``models/x`` where ``models`` is a folder here reads as a local path whose entry is missing (a
+    typo), not as a repo the hub would be asked for."""
+    org, name = repo_id.split("/")
+    if not Path(org).is_dir():
+        return
+    try:
+        entries = sorted(p.name for p in Path(org).iterdir() if not p.name.startswith("."))
+    except OSError:
+        entries = []
+    shown = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "")
+    raise ModelNotFoundError(
+        f"{repo_id!r} does not exist: {org}/ is a folder here, so {repo_id!r} is read as a local path, not a "
+        f"Hugging Face repo id; {org}/ holds: {shown or 'nothing'} (to load the repo of that name, run from a folder "
+        f"without a {org}/)")
 
 
 def resolve(repo_id: str, file: str | None = None, *, revision: str | None = None) -> Path:

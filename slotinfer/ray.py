@@ -37,7 +37,7 @@ try:
     import ray  # the Ray package itself: absolute imports never resolve to this module
     import ray.data
 except ImportError as e:
-    raise ImportError(f"slotinfer.ray needs Ray Data ({e}); install it with: pip install 'slotinfer[ray]'") from e
+    raise ImportError(f"slotinfer.ray needs Ray Data ({e}); in the slotinfer checkout: pip install -e '.[ray]'") from e
 
 import slotinfer
 

@@ -34,6 +34,9 @@ from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, Tokeni
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
 
 _REPLACEMENT = "\ufffd"
+# Characters past which encode lets other threads run meanwhile: tokenizers' encode holds the GIL
+# (seconds for a few MB, every thread of a server stalled), its encode_batch releases it.
+_LONG_TEXT = 1 << 16
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -288,7 +291,10 @@ class Tokenizer:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a str, got {type(text).__name__}")
         try:
-            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            if len(text) > _LONG_TEXT:
+                ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            else:
+                ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:  # tokenizers' answer to lone surrogates: "TextInputSequence must be str"
             _check_unicode(text)
             raise

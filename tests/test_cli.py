@@ -63,3 +63,36 @@ def test_generate_into_a_closed_pipe_exits_quietly(model_dir, head_1):
     rc, first, err = head_1(["generate", "--model", model_dir("qwen3"), "--max-tokens", "1"], prompts)
     assert rc == 1 and json.loads(first)["prompt"] == "prompt 0"
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+
+def test_ctrl_c_during_classify_writes_what_is_done_and_a_rerun_finishes_it(model_dir, tmp_path):
+    """Interrupted, classify keeps every record it wrote (whole lines) and exits 130; run again, it
+    classifies the rest, each sentence once."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = random.Random(0)
+    words = ["good", "bad", "food", "day", "nice", "the", "a", "movie", "was", "not"]
+    src, dest = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("".join(" ".join(rng.choice(words) for _ in range(8)) + "\n" for _ in range(3000)))
+    command = [sys.executable, "-m", "slotinfer", "classify", "--model", str(model_dir("qwen3")),
+               "--labels", "very good,quite bad", "--output", str(dest), "-q", str(src)]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 120
+    while not dest.exists() or dest.read_bytes().count(b"\n") < 300:
+        assert proc.poll() is None and time.monotonic() < end, proc.stderr.read()
+        time.sleep(0.02)
+    shown = dest.read_bytes().count(b"\n")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130 and "interrupted" in proc.stderr.read()
+    proc.stderr.close()
+    kept = [json.loads(line) for line in dest.read_text().splitlines()]
+    assert shown <= len(kept) < 3000
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    ids = [json.loads(line)["id"] for line in dest.read_text().splitlines()]
+    assert sorted(ids) == list(range(1, 3001))

@@ -229,3 +229,13 @@ def test_the_real_gguf_loads_from_an_id_as_from_its_file(tmp_path):
         got = offline(tmp_path / "hf", LOAD, spec)
         assert "error" not in got, got
         assert got["tokens"] == expected and got["batch"] == expected
+
+
+def test_a_mistyped_local_folder_is_a_missing_path_not_a_hub_id(tmp_path):
+    """``models/x`` where ./models is a folder on this machine: the folder's entry is missing, and the
+    error says so (with what the folder holds) instead of reporting a repo the hub does not have."""
+    (tmp_path / "models" / "qwen3-tiny").mkdir(parents=True)
+    got = offline(tmp_path / "hf", "import os, sys, slotinfer; os.chdir(sys.argv.pop(1))\n" + LOAD, tmp_path, "models/qwen3-tny")
+    assert got["error"] == "ModelNotFoundError", got
+    assert "'models/qwen3-tny' does not exist" in got["message"] and "qwen3-tiny" in got["message"], got
+    assert "hub" not in got["message"].lower().replace("a hugging face repo id", ""), got

@@ -253,3 +253,17 @@ def test_cli_generate_ray_local_cluster_parquet_and_resume(model_path, tmp_path)
     want = slotinfer.load(model_path).batch_generate(prompts, max_tokens=5)
     for r, p, w in zip(rows, prompts, want):
         assert (r["prompt"], r["tokens"], r["text"], r["error"]) == (p, w.tokens, w.text, None)
+
+
+def test_numbering_the_rows_of_an_input_warns_of_nothing(cluster):
+    """Rows without ids are numbered from 1 with no deprecation notice from Ray on every run."""
+    import warnings
+
+    from slotinfer.cli.ray_jobs import _with_ids
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ds, total = _with_ids(ray.data.from_items([{"text": t} for t in "abc"]))
+    ours = [w for w in said if issubclass(w.category, DeprecationWarning) and "slotinfer" in w.filename]
+    assert not ours, [str(w.message) for w in ours]  # Ray's own internals may still warn of theirs
+    assert total == 3 and sorted((r["id"], r["text"]) for r in ds.take_all()) == [(1, "a"), (2, "b"), (3, "c")]

@@ -36,3 +36,7 @@ def test_a_readme_example_runs(i, tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip()
+    if "print(inf.stats())" in BLOCKS[i]:  # every request of the example is bounded: it finishes in seconds
+        asked = sum(map(int, re.findall(r"max_tokens\W+(\d+)", BLOCKS[i])))
+        stats = proc.stdout.strip().splitlines()[-1]
+        assert int(re.search(r"'decode_tokens': (\d+)", stats)[1]) <= asked, stats

@@ -270,3 +270,69 @@ def test_any_body_is_answered_or_refused_by_name(server, body, chat, base):
     assert r.status_code in (400, 404), r.text
     err = r.json()["error"]
     assert err["message"] and set(err) == {"message", "type", "param", "code"}
+
+
+def test_json_nested_too_deep_is_400(server):
+    r = httpx.post(server[0] + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000)
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "model": "m" * 1_000_000}),
+    ("/v1/completions", {"prompt": "hi", "n": "x" * 100_000}),
+    ("/v1/completions", {"prompt": "hi", "x" * 100_000: 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ["y" * 100_000]}]}),
+    ("/v1/classify", {"input": ["a"], "labels": "z" * 100_000}),
+    ("/v1/" + "p" * 20_000, {}),
+])
+def test_error_messages_echo_at_most_a_few_hundred_characters_of_the_request(server, path, body):
+    r = httpx.post(server[0] + path, json=body, timeout=60)
+    assert r.status_code in (400, 404) and len(r.text) < 600, r.text[:1000]
+
+
+def test_vocabulary_bounds_name_their_parameter(client, model):
+    vocab = model.config.vocab_size
+    for extra in ({"top_k": vocab + 1}, {"stop_token_ids": [vocab]}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2, extra_body=extra)
+        assert e.value.body["param"] == next(iter(extra)), e.value.body
+
+
+def test_max_tokens_past_the_slot_quotes_the_clients_figure(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt=[5, 6, 7], max_tokens=1_000_000)
+    err = e.value.body
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded", err
+    assert "1000000" in err["message"] and "1000003" in err["message"] and "253" in err["message"], err
+
+
+@pytest.mark.parametrize("path, body, field, hint", [
+    ("/v1/completions", {"prompt": "hi", "max_tokns": 3}, "max_tokns", "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSGS, "temprature": 0}, "temprature", "temperature"),
+    ("/v1/classify", {"input": ["a"], "labels": ["x", "y"], "lables": ["x"]}, "lables", "labels"),
+])
+def test_unknown_fields_are_400_naming_them(server, path, body, field, hint):
+    r = httpx.post(server[0] + path, json=body, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == field and f"did you mean '{hint}'" in err["message"], r.text
+
+
+def test_fields_that_change_nothing_here_are_accepted(client):
+    r = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=2, user="u1", store=False,
+                                       metadata={"k": "v"}, service_tier="auto", tool_choice="none",
+                                       extra_body={"functions": None, "logit_bias": {}})
+    assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("path, name", [
+    ("models/Qwen3-0.6B", "Qwen3-0.6B"), ("x/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+    ("qwen2.5-0.5b-instruct-q4_k_m.gguf", "qwen2.5-0.5b-instruct"), ("gemma-2-2b.BF16.gguf", "gemma-2-2b"),
+    ("Phi-3-mini-4k-instruct-fp16.gguf", "Phi-3-mini-4k-instruct"), ("model-135M.gguf", "model-135M"),
+    ("hub/models--HuggingFaceTB--SmolLM2-135M-Instruct/snapshots/0123abc", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+])
+def test_the_default_served_name_is_clean(path, name):
+    from pathlib import Path
+
+    from slotinfer.serve.app import default_name
+
+    assert default_name(Path(path)) == name

@@ -3,6 +3,7 @@ sampling flags, progress) and ``slotinfer --version``, on a real tiny model."""
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -78,3 +79,49 @@ def test_bad_generate_flags_are_usage_errors(folder, capsys, flag, value):
 def test_serve_without_a_model_is_a_usage_error(capsys):
     rc, _, err = _cli(["serve"], capsys)
     assert rc == 2 and "model" in err
+
+
+def test_install_advice_is_the_checkouts():
+    """slotinfer is not on PyPI: advice to `pip install slotinfer...` would fetch whatever someone
+    uploads under that name. Docs, error messages and help give the checkout's `pip install -e`."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "slotinfer").rglob("*.py")]
+    advice = re.compile(r"pip install[^\n`#]*?[\s'\"]slotinfer\b")
+    found = [f"{f.relative_to(root)}: {m.group(0)}" for f in files for m in advice.finditer(f.read_text())]
+    assert not found, found
+
+
+@pytest.mark.parametrize("command", ["classify", "generate", "serve", "bench", "demo"])
+def test_help_is_plain_text_for_users(command, capsys):
+    """No reST markup or notes for developers in --help, and --model (MODEL) says everything load takes."""
+    rc, out, _ = _cli([command, "--help"], capsys)
+    assert rc == 0
+    for markup in ("``", ":mod:", ":class:", ":meth:", ":func:", "Why one module"):
+        assert markup not in out, markup
+    model_help = re.search(r"\n  (?:--model \w+|model)\s+(.*?)(?:\n  -|\n\n|\n?$)", out, re.S)[1]
+    assert all(w in " ".join(model_help.split()) for w in ("folder", "GGUF", "hub id")), model_help
+
+
+def test_the_demos_help_names_its_model(capsys):
+    _, out, _ = _cli(["--help"], capsys)
+    assert "SmolLM2-135M-Instruct" in re.search(r"\n\s+demo\s+(.*?)\n\s+\w+  ", out, re.S)[1]
+
+
+def test_lengths_past_the_models_context_are_refused(folder, model, capsys):
+    ctx = model.context_length
+    rc, out, err = _cli(["generate", "--model", folder, "--max-tokens", str(ctx * 10), "hello"], capsys)
+    assert rc == 2 and out == "" and "--max-tokens" in err and str(ctx) in err, err
+    proc = subprocess.run([sys.executable, "-m", "slotinfer", "serve", folder, "--port", "0", "--slots", "1",
+                           "--max-len", str(ctx * 10)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--max-len" in proc.stderr and str(ctx) in proc.stderr, proc.stderr
+
+
+def test_an_empty_prompt_is_an_error_exit(folder, capsys):
+    rc, out, err = _cli(["generate", "--model", folder, ""], capsys)
+    assert rc == 2 and out == "" and "empty" in err, (rc, out, err)
+    rc, out, err = _cli(["generate", "--model", folder, "--max-tokens", "2", "fine", ""], capsys)
+    records = [json.loads(line) for line in out.splitlines()]
+    assert rc == 1 and [r["finish_reason"] for r in records] == ["length", "error"] and "1 of 2" in err

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -167,7 +168,7 @@ def test_64_concurrent_streams_each_get_their_solo_tokens(model):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_shuts_down_gracefully_with_exit_0(model_dir, sig):
     proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", str(model_dir("qwen3")), "--port", "0",
-                             "--slots", "2", "--max-len", "4096", "--grace-period", "2"],
+                             "--slots", "2", "--max-len", "2048", "--grace-period", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -244,3 +245,201 @@ def test_classify_beside_running_streams_changes_neither(model):
     for data in got_cls:
         assert [d["label"] for d in data] == [w.label for w in want_cls]
         assert [d["scores"]["yes"] for d in data] == pytest.approx([w.scores["yes"] for w in want_cls], abs=1e-4)
+
+
+def _serve(model_dir, *flags):
+    """``slotinfer serve`` on the tiny model in a child process: (process, base url)."""
+    proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", str(model_dir("qwen3")), "--port", "0",
+                             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+        if m:
+            return proc, m.group(1)
+    proc.kill()
+    raise AssertionError("the server did not report its address: " + proc.stderr.read())
+
+
+def test_past_the_grace_period_every_request_ends_once_with_its_answer(model_dir):
+    """Requests still running when --grace-period runs out end as docs/serve.md says: a stream with an
+    error event and [DONE], a whole request (a classify too) with a JSON 503; no traceback, and exit 0."""
+    proc, url = _serve(model_dir, "--slots", "4", "--max-len", "2048", "--grace-period", "1")
+    try:
+        whole = {}
+        t = threading.Thread(target=lambda: whole.update(r=httpx.post(url + "/v1/completions", timeout=60,
+                                                                      json={"prompt": "a", **LONG})))
+        c = threading.Thread(target=lambda: whole.update(c=httpx.post(url + "/v1/classify", timeout=60,
+                                                                      json=_classify_body(600))))
+        t.start()
+        c.start()
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "b"}], "stream": True, **LONG}) as s:
+            lines = s.iter_lines()
+            next(lines)
+            _until(lambda: "slotinfer_requests_running 2.0" in httpx.get(url + "/metrics").text)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        t.join(60)
+        c.join(60)
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2][len("data: "):])
+        assert (last["error"]["code"], last["error"]["type"]) == ("shutting_down", "server_error")
+        for r in whole.values():  # a whole completion, a classify stopped between two batches
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert proc.wait(timeout=60) == 0
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "CancelledError" not in log and "Cancel" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(model):
+    """Tokenizing a prompt of megabytes takes seconds: meanwhile /health answers at once (the gaps between
+    answers are measured, so that a client thread held up in this process counts too)."""
+    text = "the quick brown fox jumps over the lazy dog; " * 50_000  # 2.2 MB
+    t0 = time.perf_counter()
+    model.tokenizer.encode(text)
+    alone = time.perf_counter() - t0
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, \
+            serving(build_app(inf, max_body_bytes=16 << 20)) as url:
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=httpx.post(url + "/v1/completions", timeout=120,
+                                                                    json={"prompt": text, "max_tokens": 1})))
+        answered = [time.perf_counter()]
+        t.start()
+        with httpx.Client(timeout=120) as c:
+            while t.is_alive():
+                assert c.get(url + "/health").status_code == 200
+                answered.append(time.perf_counter())
+                time.sleep(0.02)
+        t.join()
+    assert out["r"].status_code == 400 and out["r"].json()["error"]["code"] == "context_length_exceeded"
+    worst = max(b - a for a, b in zip(answered, answered[1:]))
+    assert alone > 1.0 and worst < alone / 4, (alone, worst)
+
+
+def test_a_request_that_can_never_fit_is_400_before_tokenizing(model):
+    """More rows than slots + queue bound could ever hold: a 400 naming n or prompt, never a 429 that a
+    client would retry forever; a request of exactly that many rows runs on an idle server."""
+    too_long = "word " * 5000  # tokenized first, it would be context_length_exceeded
+    with slotinfer.Inferencer(model, slots=2, max_len=64, max_queue=2) as inf, serving(build_app(inf)) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": too_long, "n": 5, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "2 slots" in r.json()["error"]["message"] and "2 queued" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": [too_long] * 5, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        for _ in range(5):
+            r = httpx.post(url + "/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_the_socket_closed(model):
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, serving(build_app(inf, read_timeout=0.5)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")  # and then nothing (slowloris)
+        t0 = time.monotonic()
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+        s.close()
+        assert got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got, got
+        assert time.monotonic() - t0 < 5
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def _classify_body(inputs: int, rng=random.Random(5)):
+    words = ["good", "bad", "food", "day", "nice", "the", "a", "movie", "was", "not"]
+    return {"input": [" ".join(rng.choice(words) for _ in range(20)) for _ in range(inputs)], "prefix": "Q: ",
+            "labels": ["very good", "quite bad", "not sure at all", "maybe later", "good day", "bad food", "all the way",
+                       "on the other hand"]}
+
+
+def test_classify_past_its_limits_is_400_before_any_work(model):
+    from slotinfer.serve.schemas import ClassifyLimits
+
+    limits = ClassifyLimits(inputs=8, labels=3, tokens=200)
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, \
+            serving(build_app(inf, classify_limits=limits)) as url:
+        for body, param, figure in [
+                ({"input": ["a"] * 9, "labels": ["x", "y"]}, "input", "8"),
+                ({"input": ["a"], "labels": ["w", "x", "y", "z"]}, "labels", "3"),
+                ({"input": ["a b c d e f g h i j"] * 8, "labels": ["x", "y"], "prefix": "p " * 200}, "prefix", "200"),
+                ({**_classify_body(8), "labels": ["x", "y"]}, "input", "200"),
+                ({"input": ["a"] * 8, "labels": ["x", "y", "yes yes yes yes yes yes yes yes " * 4]}, "labels", "200")]:
+            r = httpx.post(url + "/v1/classify", json=body, timeout=60)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and figure in err["message"], (body, r.text)
+        assert httpx.post(url + "/v1/classify", json={"input": ["a"] * 8, "labels": ["x", "y"]}).status_code == 200
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, serving(build_app(inf)) as url:  # the defaults
+        r = httpx.post(url + "/v1/classify", json={"input": ["a"] * 2049, "labels": ["x", "y"]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input" and "2048" in r.text
+
+
+def test_a_classify_whose_client_left_stops_at_its_next_batch(model):
+    """A classify of ~10 s whose client goes away after 1 s frees the classifier for the next one."""
+    from slotinfer.serve.schemas import ClassifyLimits
+
+    big = json.dumps(_classify_body(2048)).encode()
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, \
+            serving(build_app(inf, classify_limits=ClassifyLimits(tokens=1 << 20))) as url:
+        s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(big) + big)
+        time.sleep(1.5)
+        s.close()
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/classify", json={"input": ["fine"], "labels": ["yes", "no"]}, timeout=120)
+        assert r.status_code == 200 and time.monotonic() - t0 < 2, time.monotonic() - t0
+
+
+def test_the_pages_command_and_client_snippet_work_together(model_dir, tmp_path):
+    """docs/serve.md's `slotinfer serve` line (on a GGUF of the name it shows) and its openai snippet,
+    as written but for the file's folder and the port: the snippet's model name is the served one."""
+    pytest.importorskip("gguf")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gguf_fixtures import write_gguf
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "serve.md").read_text()
+    [command] = [line for block in re.findall(r"```sh\n(.*?)```", page, re.S) for line in block.splitlines()
+                 if line.startswith("slotinfer serve ")][:1]
+    snippet = re.findall(r"```python\n(.*?)```", page, re.S)[0]
+    args = command.split("#")[0].split()[2:]
+    [file] = [a for a in args if a.endswith(".gguf")]
+    gguf_path = write_gguf(model_dir("qwen3"), tmp_path / Path(file).name)
+    args = [str(gguf_path) if a == file else a for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", *args, "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = next(m.group(1) for line in proc.stderr if (m := re.search(r"running on (http://[\d.:]+)", line)))
+        assert "http://127.0.0.1:8000" in snippet
+        out = subprocess.run([sys.executable, "-c", snippet.replace("http://127.0.0.1:8000", url)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        proc.stderr.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_what_a_huge_prompt_took_is_given_back(model_dir):
+    """Tokenizing 4 MB takes hundreds of MB, which glibc would keep for good: the server's RSS after
+    the request is within 250 MiB of before (it was ~600 MiB over)."""
+    proc, url = _serve(model_dir, "--slots", "2", "--max-len", "64", "--max-body-bytes", str(16 << 20))
+    rss = lambda: int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{proc.pid}/status").read_text())[1]) >> 10  # noqa
+    try:
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        before = rss()
+        r = httpx.post(url + "/v1/completions", json={"prompt": "the quick brown fox; " * 200_000, "max_tokens": 1},
+                       timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert rss() - before < 250, (before, rss())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        proc.stderr.close()

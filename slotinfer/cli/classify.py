@@ -1,27 +1,6 @@
-"""``slotinfer classify``: label every line of a file, resumably.
-
-    slotinfer classify --model PATH --labels positive,negative \\
-        --template prompt.txt --output out.jsonl reviews.jsonl
-
-Input is read by extension (or ``--format``): plain text (one sentence per line),
-JSONL (the ``text`` field, or ``--column``; ``id`` when present) or CSV
-(``--column``, default ``text``; ``id`` when present); a leading UTF-8 byte-order mark
-is dropped.  Each sentence gets one JSON line ``{"id", "label", "scores", "run"}``; the id
-is the line number (the record's line for CSV, as a string when the CSV has an ``id``
-column, whose cells are strings) when the input has none.  A bad line (empty, not
-UTF-8, malformed JSON, no such column, too long for the context) gets
-``{"id", "error", "run"}`` instead and the run goes on.  ``run`` is a fingerprint of the
-labels, label prefix, prefix and template.  ``--output`` is appended: a re-run skips ids
-already written, so an interrupted run (Ctrl-C exits 130) resumes where it stopped.  It
-resumes only a file of its own records with the same ``run``; anything else (another
-file, the input itself, another label set or prompt) stops with exit code 2 and the file
-untouched.  A pipe or device (``/dev/stdout``) is written as it comes, with nothing to resume.
-
-``--template FILE`` holds the prompt around each sentence, with ``{text}`` (or the
-Jinja ``{{ text }}``) where the sentence goes; the part before it becomes the shared
-prefix (encoded once), the part after is appended to every sentence.  One final
-newline of the file is dropped.  Prompt ids are ``prefix_ids + ids(sentence +
-suffix)``, see :mod:`slotinfer.classify`.
+"""``slotinfer classify``: label every line of a file, resumably; :data:`DESCRIPTION` (the
+command's help) says what it reads and writes, and :mod:`slotinfer.classify` how prompts are
+tokenized.
 
 Why one module: the command's input formats (lines, JSONL, CSV), progress and run loop belong to
 it alone.
@@ -44,6 +23,32 @@ from .jobs import UsageError, _key, check_not_input, parse_template, resume, run
 
 FORMATS = ("auto", "lines", "jsonl", "csv")
 
+DESCRIPTION = """\
+Label every sentence of a file with one of a set of labels, resumably.
+
+    slotinfer classify --model PATH --labels positive,negative \\
+        --template prompt.txt --output out.jsonl reviews.jsonl
+
+Input is read by extension (or --format): plain text (one sentence per line), JSONL (the
+"text" field, or --column; "id" when present) or CSV (--column, default text; "id" when
+present); a leading UTF-8 byte-order mark is dropped.
+
+Each sentence gets one JSON line {"id", "label", "scores", "run"}; the id is the line number
+(the record's line for CSV) when the input has none. A bad line (empty, not UTF-8, malformed
+JSON, no such column, too long for the context) gets {"id", "error", "run"} instead and the
+run goes on. "run" is a fingerprint of the labels, label prefix, prefix and template.
+
+--output is appended: a re-run skips the ids already written, so an interrupted run (Ctrl-C
+writes what is done and exits 130) resumes where it stopped. It resumes only a file of its own
+records with the same run; anything else (another file, the input itself, another label set
+or prompt) stops with exit code 2 and the file untouched. A pipe or device (/dev/stdout) is
+written as it comes, with nothing to resume.
+
+--template FILE holds the prompt around each sentence, with {text} (or {{ text }}) where the
+sentence goes: the part before it is the shared prefix (encoded once), the part after is
+appended to every sentence. One final newline of the file is dropped.
+"""
+
 
 @dataclass
 class Record:
@@ -61,10 +66,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``classify`` on an ``argparse`` subparsers object; dispatch to :func:`run`."""
     p = subparsers.add_parser(
         "classify", help="label every sentence of a file with one of a set of labels",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", metavar="INPUT", help="text lines, .jsonl or .csv file ('-' reads text lines from stdin)")
-    p.add_argument("--model", required=True, help="model folder (Hugging Face layout)")
+    p.add_argument("--model", required=True,
+                   help="a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)")
     p.add_argument("--labels", required=True, help="comma-separated labels, e.g. positive,negative,neutral")
     p.add_argument("--label-prefix", default="",
                    help="text put before each label when tokenizing it, e.g. ' ' when the prompt ends with "

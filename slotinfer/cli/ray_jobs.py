@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 from .jobs import UsageError, _key, check_not_input, parse_template, resume, run_id
 
@@ -159,7 +160,11 @@ def _with_ids(ds):
     if "id" in ds.schema().names:
         return ds, total
     rows = ray.data.range(total).map_batches(lambda b: {"id": b["id"] + 1}, batch_format="numpy")
-    return ds.zip(rows), total
+    # Ray 2.60 deprecates zip for a join on a shared key, which an input without ids lacks: the
+    # notice, printed on every run, says nothing a user can act on.  (Ray 2.64 is to remove zip.)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"[\s\S]*`Dataset\.zip` is deprecated", category=DeprecationWarning)
+        return ds.zip(rows), total
 
 
 class _Skip:

@@ -7,22 +7,29 @@ import socket
 import sys
 
 
+DEFAULT_MAX_LEN = 2048
+
+
 def add_parser(sub):
     from .. import settings
     from .common import positive_int
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)")
-    p.add_argument("model", help="a model folder, a .gguf file or a hub id (whatever slotinfer.load takes)")
+    p.add_argument("model", help="a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
-    p.add_argument("--max-len", type=positive_int, default=2048, help="tokens per slot (prompt + output)")
+    p.add_argument("--max-len", type=positive_int, default=None,
+                   help="tokens per slot, prompt and output (default 2048, or the model's context if shorter)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; past it a request gets 429 (0: unbounded)")
     p.add_argument("--api-key", default=settings.api_key(),
                    help="require 'Authorization: Bearer KEY' (default: $SLOTINFER_API_KEY; none: open)")
-    p.add_argument("--served-model-name", help="the model's name in the API (default: the model's folder name)")
+    p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name, the GGUF file's name "
+                        "without .gguf and its quantization suffix, or the hub id)")
     p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get 413")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive; a slower one gets 408 (default 30)")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are cancelled")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -34,9 +41,10 @@ def run(args) -> int:
         import uvicorn
 
         from ..serve.app import build_app
+        from ..serve.shutdown import GracefulServer
     except ImportError as e:
-        print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing): pip install 'slotinfer[serve]'",
-              file=sys.stderr)
+        print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing); in the slotinfer checkout: "
+              f"pip install -e '.[serve]'", file=sys.stderr)
         return 2
     if args.max_queue < 0:
         print("slotinfer: error: --max-queue must be >= 0", file=sys.stderr)
@@ -44,13 +52,20 @@ def run(args) -> int:
     import slotinfer
 
     model = slotinfer.load(args.model)
+    if args.max_len is None:
+        args.max_len = min(DEFAULT_MAX_LEN, model.context_length)
+    if args.max_len > model.context_length:  # before the slot table reserves slots x max_len tokens of K/V
+        print(f"slotinfer: error: --max-len {args.max_len} is beyond the model's context of {model.context_length} "
+              f"tokens; give at most {model.context_length}", file=sys.stderr)
+        return 2
     inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue)
     try:
         app = build_app(inf, served_model_name=args.served_model_name, api_key=args.api_key,
-                        max_body_bytes=args.max_body_bytes)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=args.grace_period, lifespan="off")
-        server = uvicorn.Server(config)
+                        max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
+        # past the grace period every request still running is ended (cancelled rows: a stream's error
+        # event and [DONE], a whole request's 503) before uvicorn would cancel its handler
+        server = GracefulServer(config, grace=args.grace_period, end_requests=app.state.slotinfer.end_requests)
         try:
             sock = _bind(args.host, args.port)  # bound here so that port 0's pick can be announced at any log level
         except OSError as e:

@@ -1,4 +1,5 @@
-"""An OpenAI-compatible HTTP server over one :class:`~slotinfer.Inferencer` (``pip install "slotinfer[serve]"``).
+"""An OpenAI-compatible HTTP server over one :class:`~slotinfer.Inferencer` (the 'serve' extra:
+``pip install -e ".[serve]"`` in the checkout).
 
     $ slotinfer serve path/to/model --slots 32 --max-queue 64
 

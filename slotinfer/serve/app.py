@@ -9,8 +9,11 @@ cancels its handles, which frees their slots at the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -18,18 +21,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..cpu import allocator
 from ..errors import InvalidRequestError, PromptTooLongError
-from .errors import APIError, bad_param, from_exception
+from ..request import short
+from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
 from .responses import DONE, Shaper, TokenText, sse, usage
-from .schemas import GenerateRequest, parse_chat, parse_classify, parse_completion
+from .schemas import ClassifyLimits, GenerateRequest, parse_chat, parse_classify, parse_completion
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
+_TRIM_AFTER_CHARS = 1 << 20  # a prompt this long takes hundreds of MB to tokenize, given back after it
 
 
 def build_app(inferencer, *, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = 8 << 20, retry_after: int = 1) -> Starlette:
+              max_body_bytes: int = 8 << 20, read_timeout: float = 30.0, retry_after: int = 1,
+              classify_limits: ClassifyLimits = ClassifyLimits()) -> Starlette:
     """The ASGI app serving ``inferencer`` (started; closing it stays the caller's).
 
         >>> inf = slotinfer.Inferencer(slotinfer.load("path/to/model"), slots=32, max_queue=64)
@@ -37,10 +44,12 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
         >>> uvicorn.run(app, host="127.0.0.1", port=8000)
 
     ``api_key`` (when set) is required as ``Authorization: Bearer KEY`` on ``/v1/*``;
-    bodies over ``max_body_bytes`` get 413; ``retry_after`` is the Retry-After of a 429.
+    bodies over ``max_body_bytes`` get 413, and bodies not received within ``read_timeout`` seconds
+    408; ``retry_after`` is the Retry-After of a 429; a /v1/classify request past ``classify_limits``
+    (inputs, labels, tokens) gets 400.
     """
-    server = _Server(inferencer, served_model_name or inferencer.model.path.name, api_key, max_body_bytes,
-                     retry_after)
+    server = _Server(inferencer, served_model_name or default_name(inferencer.model.path), api_key, max_body_bytes,
+                     read_timeout, retry_after, classify_limits)
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_page, methods=["GET"]),
@@ -54,9 +63,30 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
     return app
 
 
+# llama.cpp's type names at the end of a GGUF file's name: .Q4_1, -Q8_0, -q4_k_m, .IQ4_XS, .F16, -bf16, .fp32
+_QUANT_SUFFIX = re.compile(r"[._-](?:[IT]?Q\d+(?:_[A-Z0-9]+)*|B?FP?\d+|MXFP4)$", re.IGNORECASE)
+
+
+def default_name(path: Path) -> str:
+    """A model's name in the API when none is given: a folder's name; a GGUF file's name without
+    ``.gguf`` and its quantization suffix; ``org/name`` for a hub id's snapshot folder."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf":
+        return _QUANT_SUFFIX.sub("", path.stem) or path.stem
+    repo = path.parent.parent.name  # the Hugging Face cache: models--org--name/snapshots/<revision>
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return path.name
+
+
+class _Stopped(Exception):
+    """A classify job stopped between two batches: its client left, or the server is ending its requests."""
+
+
 async def _http_error(request, exc: HTTPException):
     code = "not_found" if exc.status_code == 404 else None
-    return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+    return APIError(exc.status_code, f"{request.method} {short(request.url.path, 200)}: {exc.detail}",
+                    code=code).response()
 
 
 async def _internal_error(request, exc: Exception):
@@ -64,15 +94,19 @@ async def _internal_error(request, exc: Exception):
 
 
 class _Server:
-    def __init__(self, inferencer, name: str, api_key, max_body_bytes: int, retry_after: int):
+    def __init__(self, inferencer, name: str, api_key, max_body_bytes: int, read_timeout: float, retry_after: int,
+                 classify_limits: ClassifyLimits):
         self.inf, self.model, self.name = inferencer, inferencer.model, name
         self.api_key, self.max_body, self.retry_after = api_key, max_body_bytes, retry_after
+        self.read_timeout = read_timeout
         self.metrics = Metrics(inferencer)
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
         # classify runs prefill-only batches on the model outside the slot table, one batch at a time
         self._classifier = ThreadPoolExecutor(1, thread_name_prefix="slotinfer-classify")
         self._classify_pending = 0
+        self.classify_limits = classify_limits
+        self._ending = False  # set by end_requests
 
     # -- plain pages ----------------------------------------------------------------
 
@@ -106,7 +140,9 @@ class _Server:
             self._authorize(request)
             req = (parse_chat if chat else parse_completion)(await self._json(request))
             self._check_model(req.model)
-            handles, prompt_tokens = self._submit(req)
+            self._check_fits(req)
+            prompts = await asyncio.to_thread(self._encode, req)  # seconds for a prompt of megabytes
+            handles, prompt_tokens = await self._submit(req, prompts)
         except Exception as e:
             return self._refuse(endpoint, e)
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -115,24 +151,75 @@ class _Server:
             return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
         return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
 
-    def _submit(self, req: GenerateRequest):
-        """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
+    def _check_fits(self, req: GenerateRequest):
+        """400 for a request with more rows than the slots and the queue bound hold together: a 429 would
+        have its client retry forever."""
+        bound, slots = self.inf._max_queue, self.inf.engine.slots
+        rows, most = len(req.prompts) * req.n, slots + self.inf._max_queue
+        if bound and rows > most:
+            param = "prompt" if len(req.prompts) > most else "n"
+            what = f"{len(req.prompts)} prompts x n={req.n}" if len(req.prompts) > 1 else f"n={req.n}"
+            raise bad_param(param, f"this request asks for {rows} rows ({what}); this server holds at most {most} "
+                                   f"at once ({slots} slots + {bound} queued): lower n or send fewer prompts per request")
+
+    async def _await_room(self, rows: int):
+        """Wait, briefly, while the queue bound is full of rows that free slots await (those this request
+        submitted a moment ago, until the worker's next turn moves them), so that a request that fits the
+        server is taken whole.  With no room to come, return at once: the submit that follows is a 429."""
+        bound, slots = self.inf._max_queue, self.inf.engine.slots
+        pause, deadline = 0.001, time.monotonic() + 1.0
+        while bound and time.monotonic() < deadline:
+            s = self.inf.stats()
+            if s["waiting"] < bound or s["active_slots"] + s["waiting"] + rows > slots + bound:
+                return
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.02)
+
+    def _check_room(self, req: GenerateRequest, ids: list[int]):
+        """400 quoting the client's own max_tokens where the prompt and it overflow a slot (the engine's
+        rule: max_tokens past the model's context counts up to the context)."""
+        max_len, asked, key, n = self.inf.engine.max_len, req.max_tokens, req.max_tokens_param, len(ids)
+        if asked is None or n + min(asked, self.model.context_length - n) <= max_len:
+            return
+        fix = f"lower {key} to at most {max_len - n}" if n < max_len else f"shorten the prompt below {max_len} tokens"
+        raise APIError(400, f"the prompt has {n} tokens and {key} is {asked}: {n + asked} > this server's max_len of "
+                            f"{max_len} tokens per request (--max-len); {fix}",
+                       param=key if n < max_len else "messages" if req.chat else "prompt",
+                       code="context_length_exceeded")
+
+    def _encode(self, req: GenerateRequest) -> list[list[int]]:
+        """The token ids of each prompt (chat messages rendered with the model's template), on a worker
+        thread: the event loop goes on serving every other request meanwhile."""
         model, param = self.model, "messages" if req.chat else "prompt"
+        texts = []
         try:
-            prompts = [model.encode_prompt(model.chat_prompt(messages=p) if req.chat else p) for p in req.prompts]
+            for p in req.prompts:
+                texts.append(model.chat_prompt(messages=p) if req.chat else p)
+            return [model.encode_prompt(t) for t in texts]
         except InvalidRequestError as e:  # the prompt itself: too long, empty, ids outside the vocabulary
             raise APIError(400, str(e), param=param,
                            code="context_length_exceeded" if isinstance(e, PromptTooLongError) else None) from None
+        finally:
+            if any(isinstance(t, str) and len(t) > _TRIM_AFTER_CHARS for t in texts):
+                allocator.release_free_memory()  # what tokenizing megabytes took goes back to the system
+
+    async def _submit(self, req: GenerateRequest, prompts: list[list[int]]):
+        """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
+        model = self.model
         loop = asyncio.get_running_loop()
         handles = []
         try:
+            left = len(prompts) * req.n
             for ids in prompts:
+                self._check_room(req, ids)
                 room = min(self.inf.engine.max_len, model.context_length) - len(ids)
                 max_tokens = req.max_tokens or (max(room, 1) if req.chat else DEFAULT_MAX_TOKENS)
                 for j in range(req.n):
                     params = dict(req.params)
                     if "seed" in params:  # n rows of one seeded request: distinct, reproducible draws
                         params["seed"] = (params["seed"] + j) % 2**32
+                    await self._await_room(left)
+                    left -= 1
                     handles.append(self.inf.submit(ids, block=False, loop=loop, max_tokens=max_tokens,
                                                    logprobs=req.logprobs, top_logprobs=req.top_logprobs, **params))
         except BaseException:
@@ -159,6 +246,9 @@ class _Server:
             results = everything.result()
         except Exception as e:
             return self._refuse(endpoint, e)
+        if any(c.finish_reason == "cancelled" for c in results):  # the server ended it: shutting down
+            self.metrics.outcome(endpoint, "cancelled")
+            return cut_short().response()
         self.metrics.outcome(endpoint, "ok")
         used = usage(prompt_tokens, sum(len(c.tokens) for c in results))
         return JSONResponse(shaper.completion([(i, c, req.logprobs) for i, c in enumerate(results)], used))
@@ -196,10 +286,13 @@ class _Server:
                 except Exception as e:  # this request's rows failed; the stream says so and ends
                     failed = from_exception(e)
                     break
+                if c.finish_reason == "cancelled":  # the server ended it (shutting down), not the model
+                    failed = cut_short()
+                    break
                 generated += len(c.tokens)
                 yield shaper.chunk(i, "", finish=c.finish_reason)
             if failed is not None:
-                outcome = "error"
+                outcome = "cancelled" if failed.code == "shutting_down" else "error"
                 yield sse(failed.body())
             else:
                 outcome = "ok"
@@ -216,22 +309,33 @@ class _Server:
     # -- classification -------------------------------------------------------------
 
     async def classify(self, request: Request):
+        stop = threading.Event()  # set when its client leaves: the job ends at its next batch
         try:
             self._authorize(request)
-            req = parse_classify(await self._json(request))
+            req = parse_classify(await self._json(request), self.classify_limits)
             self._check_model(req.model)
-            if req.labels is None:
-                raise bad_param("labels", "'labels' is required: the classes to choose from")
             bound = self.inf._max_queue  # classify waits in its own line, as long as the engine's (0: unbounded)
             if bound and self._classify_pending >= bound:
                 raise APIError(429, f"{bound} classification requests are already waiting; retry later",
                                type="rate_limit_error", code="rate_limit_exceeded",
                                headers={"Retry-After": str(self.retry_after)})
             self._classify_pending += 1
+            job = asyncio.get_running_loop().run_in_executor(self._classifier, self._run_classify, req, stop)
+            job.add_done_callback(self._classify_done)
+            gone = asyncio.ensure_future(disconnected(request))
             try:
-                results = await asyncio.get_running_loop().run_in_executor(self._classifier, self._run_classify, req)
+                await asyncio.wait([job, gone], return_when=asyncio.FIRST_COMPLETED)
             finally:
-                self._classify_pending -= 1
+                gone.cancel()
+                stop.set()  # a no-op for a job that ended
+            if not job.done():  # the client went away: no one reads an answer
+                self.metrics.outcome("classify", "cancelled")
+                return Response(status_code=499)
+            try:
+                results = job.result()
+            except _Stopped:
+                self.metrics.outcome("classify", "cancelled")
+                return cut_short().response()
             for i, r in enumerate(results):
                 if r.error is not None:
                     raise APIError(400, f"input[{i}]: {r.error}", param="input")
@@ -244,22 +348,73 @@ class _Server:
                              "data": [{"index": i, "label": r.label, "scores": r.scores} for i, r in enumerate(results)],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    def _run_classify(self, req):
+    def _classify_done(self, _job):
+        self._classify_pending -= 1
+
+    def _run_classify(self, req, stop: threading.Event):
+        """On the classifier's thread: tokenize, check the request's size, classify batch by batch,
+        stopping between batches once ``stop`` is set or the server is ending its requests."""
         import mlx.core as mx
 
+        def go_on(*_):
+            if stop.is_set() or self._ending:
+                raise _Stopped
+
+        go_on()  # the client may have left, or the server be ending, while this job waited its turn
+        prefix, rows = self._classify_tokens(req)
         if not hasattr(self, "_classify_stream"):  # the executor's one thread gets a stream of its own
             self._classify_stream = mx.new_stream(mx.default_device())
         with mx.stream(self._classify_stream):
-            out = self.model.classify(req.inputs, labels=req.labels, prefix=req.prefix, label_prefix=req.label_prefix)
-            mx.synchronize(self._classify_stream)
-        return out
+            try:
+                return self.model.classify(rows, labels=req.labels, prefix=prefix, label_prefix=req.label_prefix,
+                                           on_result=go_on)
+            finally:
+                mx.synchronize(self._classify_stream)
+
+    def _classify_tokens(self, req) -> tuple[list[int] | None, list]:
+        """The prefix's and each input's ids, as Model.classify takes them (a sentence behind a prefix
+        carries no BOS), and a 400 when the request would run more tokens than its limit allows."""
+        from ..classify import encode_labels
+
+        model, most = self.model, self.classify_limits.tokens
+        try:
+            label_ids = encode_labels(model, req.labels, req.label_prefix).ids
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="labels") from None
+        try:
+            prefix = None if req.prefix is None else model.encode_prompt(req.prefix, what="prefix")
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param="prefix") from None
+        rows = []
+        for text in req.inputs:
+            try:
+                rows.append(model.encode_prompt(text, add_special_tokens=prefix is None))
+            except InvalidRequestError:  # a bad input: Model.classify reports it in its row, as input[i]
+                rows.append(text)
+        parts = {"prefix": len(prefix or ()), "input": sum(len(r) for r in rows if not isinstance(r, str)),
+                 "labels": len(rows) * sum(len(ids) - 1 for ids in label_ids)}
+        total = sum(parts.values())
+        if total > most:
+            param = max(parts, key=parts.get)
+            raise APIError(400, f"this classify runs {total} tokens ({parts['input']} of input, {parts['prefix']} of "
+                                f"prefix, {parts['labels']} of labels after their first token, for every input); this "
+                                f"server runs at most {most} per request: send fewer or shorter inputs, or fewer "
+                                f"multi-token labels", param=param)
+        return prefix, rows
 
     # -- the shell --------------------------------------------------------------------
 
+    def end_requests(self):
+        """End every request now, each with its answer (a 503, or a stream's error event and ``[DONE]``):
+        the server is shutting down and its grace period ran out.  Closes the Inferencer without draining
+        and stops each classify at its next batch."""
+        self._ending = True
+        self.inf.close(drain=False)
+
     def _refuse(self, endpoint: str, e: BaseException) -> Response:
         err = from_exception(e, retry_after=self.retry_after)
-        self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 413: "invalid",
-                                        429: "rejected"}.get(err.status, "error"))
+        self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 408: "invalid",
+                                        413: "invalid", 429: "rejected"}.get(err.status, "error"))
         return err.response()
 
     def _authorize(self, request: Request):
@@ -267,8 +422,8 @@ class _Server:
 
     def _check_model(self, name):
         if name is not None and name != self.name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.name!r}",
+            raise APIError(404, f"the model {short(name)} does not exist; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
     async def _json(self, request: Request) -> dict:
-        return await read_json(request, self.max_body)
+        return await read_json(request, self.max_body, self.read_timeout)

@@ -12,6 +12,20 @@ from starlette.responses import JSONResponse
 
 from ..errors import (EngineClosed, EngineError, InvalidRequestError, PromptTooLongError, QueueFull,
                       TokenizerError)
+from ..request import short
+
+
+# What an error may echo of a request is bounded: messages quote values through request.short, and any
+# message past MAX_MESSAGE characters (an exception's text quoting what a client sent) keeps its start
+# and its end, where the advice is.
+MAX_MESSAGE, MAX_PARAM = 500, 100
+
+
+def _capped(text: str, most: int) -> str:
+    if len(text) <= most:
+        return text
+    tail = most // 4
+    return text[:most - tail - 5] + " ... " + text[-tail:]
 
 
 class APIError(Exception):
@@ -19,6 +33,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict | None = None):
+        message, param = _capped(message, MAX_MESSAGE), None if param is None else _capped(param, MAX_PARAM)
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -35,14 +50,20 @@ def bad_param(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
+def cut_short() -> APIError:
+    """503 for a request the server ended before it finished: it was shutting down."""
+    return APIError(503, "the server shut down before this request finished; send it again once the server is back "
+                         "(or to another instance)", type="server_error", code="shutting_down")
+
+
 def from_exception(e: BaseException, *, retry_after: int = 1) -> APIError:
     """The response for an exception raised while taking or running a request."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, PromptTooLongError):
-        return APIError(400, str(e), code="context_length_exceeded")
-    if isinstance(e, (InvalidRequestError, TokenizerError)):
-        return APIError(400, str(e))
+        return APIError(400, str(e), param=getattr(e, "param", None), code="context_length_exceeded")
+    if isinstance(e, (InvalidRequestError, TokenizerError)):  # request.check names the parameter in .param
+        return APIError(400, str(e), param=getattr(e, "param", None))
     if isinstance(e, QueueFull):
         return APIError(429, f"the server is at capacity: {e}", type="rate_limit_error", code="rate_limit_exceeded",
                         headers={"Retry-After": str(retry_after)})
@@ -51,4 +72,5 @@ def from_exception(e: BaseException, *, retry_after: int = 1) -> APIError:
                         code="shutting_down")
     if isinstance(e, EngineError):
         return APIError(500, str(e), type="server_error", code="engine_error")
-    return APIError(500, f"internal error: {e!r}", type="server_error", code="internal_error")
+    return APIError(500, f"internal error: {type(e).__name__}: {short(str(e), 200)}", type="server_error",
+                    code="internal_error")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -21,21 +22,34 @@ def check_key(request: Request, api_key: str | None):
                        code="invalid_api_key")
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a JSON object: 413 past ``limit`` bytes (declared or received), 400 if not JSON."""
+async def read_json(request: Request, limit: int, timeout: float) -> dict:
+    """The body as a JSON object: 413 past ``limit`` bytes (declared or received), 408 unless it has
+    all arrived within ``timeout`` seconds, 400 if not JSON."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    chunks = []
+
+    async def receive():
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s; send it at once",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     try:
         body = json.loads(b"".join(chunks))
     except ValueError as e:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the body's JSON is nested too deeply to read; no parameter nests more than a few "
+                            "levels") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
     return body

@@ -2,20 +2,45 @@
 
 Each parser takes the decoded JSON body and returns a dataclass, or raises an
 :class:`~slotinfer.serve.errors.APIError` (400) that names the parameter at fault.
-Fields the engine cannot honour are refused by name instead of being ignored;
-fields that change nothing here (``user``, ``service_tier``...) are accepted.
+Every field a body may carry is listed here: honoured, refused by name when set (the engine
+cannot honour it), or accepted as changing nothing here (``user``, ``service_tier``...).
+Any other field is a 400 naming it, with the close match (``max_tokns``: did you mean
+``max_tokens``?), as the library refuses an unknown keyword.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 from .. import request
 from ..errors import InvalidRequestError
+from ..request import short
 from .errors import bad_param
 
 MAX_N = 64  # choices per request: each is a slot's worth of work
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+
+# The fields each endpoint takes (docs/serve.md): OpenAI's, then slotinfer's extensions.
+_NOTHING_HERE = ("user", "service_tier", "store", "metadata", "parallel_tool_calls", "prompt_cache_key",
+                 "safety_identifier")
+_SHARED = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+           "frequency_penalty", "presence_penalty", "logit_bias", *_NOTHING_HERE,
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids")
+COMPLETION_FIELDS = ("prompt", *_SHARED, "logprobs", "echo", "suffix", "best_of")
+CHAT_FIELDS = ("messages", *_SHARED, "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+               "tools", "tool_choice", "functions", "function_call")
+CLASSIFY_FIELDS = ("model", "input", "labels", "prefix", "label_prefix", "user")
+
+
+def check_fields(body: dict, fields: tuple, endpoint: str):
+    """400 naming the first field of ``body`` that ``endpoint`` does not take (with the close match)."""
+    for name in body:
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise bad_param(name, f"{endpoint} takes no parameter {short(name)}{hint}; docs/serve.md lists "
+                                  f"those it takes")
 
 
 @dataclass
@@ -29,16 +54,27 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # or max_completion_tokens, as the client named it
     logprobs: bool = False
     top_logprobs: int = 0
     params: dict = field(default_factory=dict)  # for Inferencer.submit
+
+
+@dataclass(frozen=True)
+class ClassifyLimits:
+    """What one /v1/classify request may ask (docs/serve.md): inputs, labels, and the tokens it runs
+    (prefix, inputs, and for every input each multi-token label's tokens after its first)."""
+
+    inputs: int = 2048
+    labels: int = 256
+    tokens: int = 65536
 
 
 @dataclass
 class ClassifyRequest:
     model: str | None
     inputs: list[str]
-    labels: list[str] | None
+    labels: list[str]
     prefix: str | None
     label_prefix: str
 
@@ -48,14 +84,14 @@ def _get(body, name, kinds, what, default=None):
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise bad_param(name, f"'{name}' must be {what}, got {value!r}")
+        raise bad_param(name, f"'{name}' must be {what}, got {short(value)}")
     return value
 
 
 def _int(body, name, lo, hi, default=None):
     value = _get(body, name, (int,), f"an integer in [{lo}, {hi}]", default)
     if value is not None and not lo <= value <= hi:
-        raise bad_param(name, f"'{name}' must be an integer in [{lo}, {hi}], got {value!r}")
+        raise bad_param(name, f"'{name}' must be an integer in [{lo}, {hi}], got {short(value)}")
     return value
 
 
@@ -94,6 +130,9 @@ def _refused(body):
     for name in ("tools", "functions"):
         if body.get(name):
             raise bad_param(name, f"'{name}' (tool calling) is not supported by this server")
+    for name in ("tool_choice", "function_call"):  # with no tools, "auto" is "none"
+        if body.get(name) not in (None, "none", "auto"):
+            raise bad_param(name, f"'{name}' (tool calling) is not supported by this server (only 'none')")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
         raise bad_param("response_format", "only response_format {'type': 'text'} is supported by this server")
@@ -111,12 +150,13 @@ def _common(body, chat: bool, prompts) -> GenerateRequest:
     req.include_usage = _get(opts, "include_usage", (bool,), "true or false", False)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(key) is not None:
-        req.max_tokens = _checked("max_tokens", body[key], key)
+        req.max_tokens, req.max_tokens_param = _checked("max_tokens", body[key], key), key
     _passed_on(body, req.params)
     return req
 
 
 def parse_completion(body: dict) -> GenerateRequest:
+    check_fields(body, COMPLETION_FIELDS, "/v1/completions")
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _is_ids(prompt):
         prompts = [prompt]
@@ -124,7 +164,7 @@ def parse_completion(body: dict) -> GenerateRequest:
         prompts = list(prompt)
     else:
         raise bad_param("prompt", "'prompt' must be a string, a list of strings, a list of token ids, or a list of "
-                                  f"lists of token ids; got {_short(prompt)}")
+                                  f"lists of token ids; got {short(prompt)}")
     if any(not p for p in prompts):
         raise bad_param("prompt", "'prompt' must not be empty")
     for name in ("echo", "suffix"):
@@ -140,10 +180,11 @@ def parse_completion(body: dict) -> GenerateRequest:
 
 
 def parse_chat(body: dict) -> GenerateRequest:
+    check_fields(body, CHAT_FIELDS, "/v1/chat/completions")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_param("messages", f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got "
-                                    f"{_short(messages)}")
+                                    f"{short(messages)}")
     req = _common(body, True, [[_message(m, i) for i, m in enumerate(messages)]])
     req.logprobs = _bool(body, "logprobs")
     req.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
@@ -155,14 +196,14 @@ def parse_chat(body: dict) -> GenerateRequest:
 def _message(m, i) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise bad_param(where, f"{where} must be an object with a string 'role', got {_short(m)}")
+        raise bad_param(where, f"{where} must be an object with a string 'role', got {short(m)}")
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_param(f"{where}.content", f"{where}.content: only text parts "
-                                                    f"({{'type': 'text', 'text': ...}}) are supported, got {_short(part)}")
+                                                    f"({{'type': 'text', 'text': ...}}) are supported, got {short(part)}")
             texts.append(part["text"])
         content = "".join(texts)
     elif content is not None and not isinstance(content, str):
@@ -172,15 +213,24 @@ def _message(m, i) -> dict:
     return out
 
 
-def parse_classify(body: dict) -> ClassifyRequest:
+def parse_classify(body: dict, limits: ClassifyLimits) -> ClassifyRequest:
+    check_fields(body, CLASSIFY_FIELDS, "/v1/classify")
     inputs = body.get("input")
     if isinstance(inputs, str):
         inputs = [inputs]
     if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) and t for t in inputs):
-        raise bad_param("input", f"'input' must be a non-empty string or list of non-empty strings, got {_short(inputs)}")
+        raise bad_param("input", f"'input' must be a non-empty string or list of non-empty strings, got {short(inputs)}")
+    if len(inputs) > limits.inputs:
+        raise bad_param("input", f"'input' has {len(inputs)} texts; this server classifies at most {limits.inputs} "
+                                 f"per request: split them over several requests")
     labels = _get(body, "labels", (list,), "a list of strings")
-    if labels is not None and (not labels or not all(isinstance(x, str) and x for x in labels)):
-        raise bad_param("labels", f"'labels' must be a non-empty list of non-empty strings, got {_short(labels)}")
+    if labels is None:
+        raise bad_param("labels", "'labels' is required: the classes to choose from")
+    if not labels or not all(isinstance(x, str) and x for x in labels):
+        raise bad_param("labels", f"'labels' must be a non-empty list of non-empty strings, got {short(labels)}")
+    if len(labels) > limits.labels:
+        raise bad_param("labels", f"'labels' has {len(labels)} labels; this server scores at most {limits.labels} "
+                                  f"per request")
     return ClassifyRequest(model=_get(body, "model", (str,), "a string"), inputs=inputs, labels=labels,
                            prefix=_get(body, "prefix", (str,), "a string"),
                            label_prefix=_get(body, "label_prefix", (str,), "a string", ""))
@@ -189,7 +239,3 @@ def parse_classify(body: dict) -> ClassifyRequest:
 def _is_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
