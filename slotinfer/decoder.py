@@ -128,14 +128,15 @@ class Decoder:
             extra = []
             if top_n >= 0:  # -1: no logprobs; 0: the chosen token's; n: also the top n
                 chosen, ids, vals = logprobs_of(raw, nxt, top_n)
-                extra = [_spread(a, picked, slots) for a in [chosen] + ([ids, vals] if top_n > 0 else [])]
+                extra = [spread(a, picked, slots) for a in [chosen] + ([ids, vals] if top_n > 0 else [])]
             return [out, view.keys, view.values, seen, *extra]
 
         return step
 
 
-def _spread(a, picked, slots: int):
-    """A step's [n, ...] output placed at its rows' slots in a [b, ...] array (other slots: 0)."""
+def spread(a, picked, slots: int):
+    """``a`` [n, ...], rows of a step or of the Encoder, placed at their slots ``picked`` [n] in a
+    [slots, ...] array (other slots: 0)."""
     out = mx.zeros((slots, *a.shape[1:]), dtype=a.dtype)
     out[picked] = a
     return out

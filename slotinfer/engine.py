@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import device, request
-from .decoder import Decoder, RowParams
+from .decoder import Decoder, RowParams, spread
 from .encoder import Encoder
 from .errors import EngineError, PromptTooLongError
 from .handle import Handle
@@ -254,7 +254,7 @@ class Engine:
             first, extra = out
             slots = mx.array([it.slot for it in done])
             self.tokens[slots] = first
-            self._first_extra = [_spread(e, slots, self.slots) for e in extra]
+            self._first_extra = [spread(e, slots, self.slots) for e in extra]
             for it in done:
                 self.items.prefilled(it)
                 it.issued, self.gen[it.slot] = 1, 1
@@ -387,13 +387,6 @@ def _prefix_cache(model, dtype, budget: int | None, block_size: int) -> PrefixCa
     cfg = model.config
     return PrefixCache(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        dtype=dtype, budget_bytes=budget, block_size=block_size)
-
-
-def _spread(a, slots, b):
-    """Rows of the Encoder's [m, ...] output placed at their slots in a [b, ...] array."""
-    out = mx.zeros((b, *a.shape[1:]), dtype=a.dtype)
-    out[slots] = a
-    return out
 
 
 def _leaves(tree, prefix=""):
