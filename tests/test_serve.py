@@ -336,3 +336,8 @@ def test_the_default_served_name_is_clean(path, name):
     from slotinfer.serve.app import default_name
 
     assert default_name(Path(path)) == name
+
+
+def test_max_completion_tokens_is_taken_by_both_endpoints(client):
+    r = client.completions.create(model=NAME, prompt="hi", extra_body={"max_completion_tokens": 3, "ignore_eos": True})
+    assert r.usage.completion_tokens == 3
