@@ -51,10 +51,10 @@ def step_times(model, slots: int, spans, rounds: int, steps: int) -> dict:
     times = {s: [] for s in spans}
     for r in range(rounds + 1):
         for span in spans:
-            pos = mx.array(np.full(slots, span - 1, dtype=np.int32))
+            pos = np.full(slots, span - 1, dtype=np.int32)
             for _ in range(steps):
                 t = time.perf_counter()
-                nxt, _ = eng.decoder.step(eng.tokens, pos, span, eng.rows)
+                nxt, _ = eng.decoder.step(eng.tokens, list(range(slots)), pos, span, eng.rows)
                 mx.eval(nxt)
                 if r:  # round 0 compiles each span's step
                     times[span].append(time.perf_counter() - t)

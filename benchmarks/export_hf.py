@@ -20,7 +20,7 @@ from slotinfer.tokenizer import Tokenizer
 
 
 def export(src: Path, out: Path) -> Path:
-    cfg, weights, quant, meta = gguf.read(src)
+    cfg, weights, quant, meta, _ = gguf.read(src)
     if cfg.model_type != "llama":
         raise SystemExit(f"{src.name}: only Llama-family files are exported (this one is {cfg.model_type})")
     if cfg.rope.type != "default":

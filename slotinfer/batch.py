@@ -12,8 +12,13 @@ from .errors import InvalidRequestError
 from .types import BatchResult
 
 
-def batch_generate(model, prompts, *, slots: int = 32, prefill_tokens: int = 512, **params):
-    """Generate for many prompts on the slot engine; one bad prompt gets its own error."""
+def batch_generate(model, prompts, *, slots: int = 32, prefill_tokens: int = 512,
+                   prefix_cache_bytes: int | None = None, **params):
+    """Generate for many prompts on the slot engine; one bad prompt gets its own error.
+
+    Prompts that start alike share the K/V of what they have in common through the engine's
+    prefix cache (``prefix_cache_bytes``: its budget; None: the device's default; 0: off).
+    """
     prompts = list(prompts)
     try:  # a parameter's own error comes first: every prompt ends with it
         max_tokens = request.check(params, model.config.vocab_size)["max_tokens"]
@@ -28,7 +33,8 @@ def batch_generate(model, prompts, *, slots: int = 32, prefill_tokens: int = 512
             results[i] = BatchResult([], "", "error", e)
     if encoded:
         max_len = max(len(ids) + min(max_tokens, model.context_length - len(ids)) for ids in encoded.values())
-        engine = Engine(model, slots=min(slots, len(encoded)), max_len=max(max_len, 2), prefill_tokens=prefill_tokens)
+        engine = Engine(model, slots=min(slots, len(encoded)), max_len=max(max_len, 2), prefill_tokens=prefill_tokens,
+                        prefix_cache_bytes=prefix_cache_bytes)
         handles = {}
         for i, ids in encoded.items():
             try:

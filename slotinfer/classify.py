@@ -64,6 +64,9 @@ prefix are one algorithm.
 from __future__ import annotations
 
 import random
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -158,6 +161,31 @@ def _encode_sentence(model, prompt, prefixed: bool) -> list[int]:
     return model.encode_prompt(prompt, add_special_tokens=not prefixed)
 
 
+# The shared prefixes of recent classify calls, per model: an instruction that every call of an
+# offline job (or every /v1/classify request) repeats is computed once, not once per call.
+_PREFIXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PREFIXES_LOCK = threading.Lock()
+PREFIXES_KEPT = 8  # prefixes kept per model, least recently used dropped first
+PREFIX_BYTES_KEPT = 256 << 20  # and at most this many bytes of their K/V
+
+
+def _shared_prefix(model, ids: list[int]) -> SharedPrefix:
+    key = tuple(ids)
+    with _PREFIXES_LOCK:
+        kept = _PREFIXES.setdefault(model, OrderedDict())
+        if key in kept:
+            kept.move_to_end(key)
+            return kept[key]
+    prefix = SharedPrefix(model.net, ids, 0)
+    with _PREFIXES_LOCK:
+        kept[key] = prefix
+        while len(kept) > PREFIXES_KEPT or sum(p.nbytes for p in kept.values()) > PREFIX_BYTES_KEPT:
+            kept.popitem(last=False)
+            if not kept:
+                break
+    return prefix
+
+
 def _row(values, dtype=mx.float32):
     return mx.array(values, dtype=dtype)
 
@@ -176,7 +204,7 @@ class _Classifier:
         # one computes (async_eval in classify), which an eval per layer would stop, ~3% of
         # throughput on the 2-core CPU (docs/classify.md); the token budget bounds the memory.
         self.by_layer = 0
-        self.prefix = SharedPrefix(self.net, prefix_ids, self.by_layer) if share and prefix_ids else None
+        self.prefix = _shared_prefix(model, prefix_ids) if share and prefix_ids else None
         self.P = len(self.prefix) if self.prefix is not None else 0
         if labels is not None:
             self.first = labels.first

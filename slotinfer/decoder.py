@@ -1,14 +1,20 @@
-"""The Decoder: one compiled step for every slot at once.
+"""The Decoder: one compiled step for the slot table's live rows.
 
-Embed each slot's latest token, write its K/V at the slot's length, attend over
-the live columns only, LM head, sample ``[b, vocab] -> [b]`` with each row's own
-parameters.  The sampled tokens stay on the device and are the next step's input;
-the host copies them once per step, one step behind (see ``engine.py``).
+A step computes the slots that need a token and no others: the live slots, padded to
+a row bucket (:func:`row_bucket`) with idle slots whose writes go to the trash
+column.  It embeds each row's latest token, writes its K/V at the slot's length,
+attends over the live columns only, LM head, samples ``[n, vocab] -> [n]`` with each
+row's own parameters, and puts the tokens back in the ``[b]`` array of every slot's
+latest token, which stays on the device as the next step's input; the host copies it
+once per step, one step behind (see ``engine.py``).  So one request on a 32-slot table
+costs what it costs on a 1-slot table, and the compiled variants stay bounded by the
+configuration: row buckets x span buckets x sampling modes.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from . import settings
 from ._compile import ThreadCompiled
@@ -16,11 +22,41 @@ from .sampling import logprobs_of, penalize, sample
 from .slots import DecodeView, SlotTable
 
 SPAN_BUCKET = 64  # attention spans are rounded up to this, so a few compiled shapes serve every length
+
+
+def row_buckets(slots: int) -> list[int]:
+    """The row counts a step may compute: 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and
+    1.5x them), capped by ``slots``; a step pads its live rows up to the next one, so it
+    computes at most 1.5x the rows it needs."""
+    out, p = set(), 1
+    while p < slots:
+        out.update(b for b in (p, p + p // 2) if 0 < b < slots)
+        p *= 2
+    return sorted(out | {slots})
+
+
+def row_bucket(n: int, slots: int) -> int:
+    """The smallest row count of :func:`row_buckets` that holds ``n`` live rows."""
+    return next(b for b in row_buckets(slots) if b >= n)
+
+
+def step_rows(live, slots: int):
+    """Slots a step computes for the ``live`` ones (sorted), and whether they are ``0..n-1``.
+
+    Live slots are padded with the lowest idle slots to a row bucket.  The item processor gives
+    out the lowest free slot first, so the rows usually are a prefix of the table, which the
+    step reads as a slice; otherwise it gathers them.
+    """
+    n = row_bucket(len(live), slots)
+    taken = set(live)
+    pad = [s for s in range(slots) if s not in taken][: n - len(live)]
+    rows = sorted([*live, *pad])
+    return rows, rows[-1] == n - 1
 COMPILE = settings.compile_steps()  # SLOTINFER_COMPILE=0: eager steps, for debugging
 
 
 class Decoder:
-    """The slot table's decode step, compiled once per (span bucket, sampling mode)."""
+    """The slot table's decode step, compiled once per (row bucket, row layout, span bucket, sampling mode)."""
 
     def __init__(self, net, table: SlotTable):
         self.net, self.table = net, table
@@ -28,56 +64,82 @@ class Decoder:
 
     @property
     def variants(self) -> int:
-        """How many step variants exist: bounded by the configuration (span buckets x sampling
-        modes x the few logprob counts of :func:`~slotinfer.sampling.top_n_computed`), never by
-        what requests ask for."""
+        """How many step variants exist: bounded by the configuration (row buckets x 2 row layouts x
+        span buckets x sampling modes x the few logprob counts of
+        :func:`~slotinfer.sampling.top_n_computed`), never by what requests ask for."""
         return len(self._compiled)
 
-    def step(self, tokens, positions, span: int, rows: "RowParams", *, top_n: int = -1):
-        """Run one step; returns ``(next_tokens [b], logprob outputs)``, all lazy.
+    def step(self, tokens, live, positions, span: int, rows: "RowParams", *, top_n: int = -1):
+        """Run one step for the ``live`` slots (sorted); returns ``(tokens [b], logprob outputs [b, ...])``,
+        all lazy.
 
-        ``positions`` [b] int32: where each slot's input token goes (trash column when idle).
+        ``tokens`` [b] is every slot's latest token; the result is the same array with the live
+        slots' next tokens in.  ``positions`` [b] (host) is where each slot's input token goes
+        (read for the live slots only).  Logprob outputs are [b, ...] too; other slots' entries
+        are meaningless.
         """
         t = self.table
         # Never past max_len: the trash column holds what idle rows and padding wrote, which in a
         # sliding-window layer can be NaN (a fully masked row), and 0 * NaN would reach live rows.
         span = min(-(-span // SPAN_BUCKET) * SPAN_BUCKET, t.max_len)
-        key = (span, rows.all_greedy, rows.use_sort, rows.seen is not None, top_n)
+        picked, prefix = step_rows(live, t.slots)
+        pos = np.full(len(picked), t.max_len, dtype=np.int32)  # padding writes to the trash column
+        is_live = np.isin(picked, live)
+        pos[is_live] = positions[np.asarray(picked)[is_live]]
+        key = (len(picked), prefix, span, rows.all_greedy, rows.use_sort, rows.seen is not None, top_n)
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = ThreadCompiled(self._make(*key), enabled=COMPILE)
         seen = rows.seen if rows.seen is not None else mx.zeros((1,), dtype=mx.bool_)
-        out = fn(tokens, t.keys, t.values, positions, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                 rows.seeds, rows.steps, rows.penalty, seen)
+        out = fn(tokens, mx.array(picked, dtype=mx.int32), t.keys, t.values, mx.array(pos), rows.temperature,
+                 rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.steps, rows.penalty, seen)
         nxt, t.keys, t.values, seen, extra = out[0], out[1], out[2], out[3], out[4:]
         if rows.seen is not None:
             rows.seen = seen
         return nxt, extra
 
-    def _make(self, span, greedy, use_sort, use_penalty, top_n):
+    def _make(self, n, prefix, span, greedy, use_sort, use_penalty, top_n):
         net, table = self.net, self.table
+        slots, max_len = table.slots, table.max_len
 
-        def step(tokens, keys, values, positions, temperature, top_k, top_p, min_p, seeds, steps, penalty, seen):
-            b = tokens.shape[0]
-            index = table.flat_index(mx.arange(b), positions[:, None])
-            view = DecodeView(keys, values, index, positions, span)
-            logits = net.head(net(tokens[:, None], view)[:, 0])
+        def step(tokens, picked, keys, values, positions, temperature, top_k, top_p, min_p, seeds, steps, penalty,
+                 seen):
+            def mine(a):  # the step's rows of a [b, ...] per-slot array
+                return a[:n] if prefix else a[picked]
+
+            tok = mine(tokens)
+            index = table.flat_index(picked, positions[:, None])
+            view = DecodeView(keys, values, index, positions, span, rows=None if prefix else picked, count=n)
+            logits = net.head(net(tok[:, None], view)[:, 0])
             raw = logits
             if use_penalty:
-                r = mx.arange(b)
-                seen[r, tokens] = seen[r, tokens] | (positions < table.max_len)  # idle rows keep theirs
-                logits = penalize(logits, seen, penalty)
+                r = mx.arange(n)
+                mine_seen = mine(seen)
+                mine_seen[r, tok] = mine_seen[r, tok] | (positions < max_len)  # padding rows keep theirs
+                logits = penalize(logits, mine_seen, mine(penalty))
+                seen = mx.put_along_axis(seen, mx.broadcast_to(picked[:, None], mine_seen.shape), mine_seen, axis=0)
             if greedy:
                 nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
-                nxt = sample(logits, temperature, top_k, top_p, min_p, seeds, steps, use_sort=use_sort)
+                nxt = sample(logits, mine(temperature), mine(top_k), mine(top_p), mine(min_p), mine(seeds),
+                             mine(steps), use_sort=use_sort)
+            # Padding rows put back what their slot held (a padding slot may appear more than once).
+            out = mx.put_along_axis(tokens, picked, mx.where(positions < max_len, nxt, tok), axis=0)
             extra = []
             if top_n >= 0:  # -1: no logprobs; 0: the chosen token's; n: also the top n
                 chosen, ids, vals = logprobs_of(raw, nxt, top_n)
-                extra = [chosen] + ([ids, vals] if top_n > 0 else [])
-            return [nxt, view.keys, view.values, seen, *extra]
+                extra = [spread(a, picked, slots) for a in [chosen] + ([ids, vals] if top_n > 0 else [])]
+            return [out, view.keys, view.values, seen, *extra]
 
         return step
+
+
+def spread(a, picked, slots: int):
+    """``a`` [n, ...], rows of a step or of the Encoder, placed at their slots ``picked`` [n] in a
+    [slots, ...] array (other slots: 0)."""
+    out = mx.zeros((slots, *a.shape[1:]), dtype=a.dtype)
+    out[picked] = a
+    return out
 
 
 class RowParams:

@@ -223,6 +223,10 @@ class SharedPrefix:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+
     def segment(self):
         """The ``past`` segment of a :class:`SegmentView`."""
         return self.kv, None

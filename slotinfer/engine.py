@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import request
-from .decoder import Decoder, RowParams
+from . import device, request
+from .decoder import Decoder, RowParams, spread
 from .encoder import Encoder
 from .errors import EngineError, PromptTooLongError
 from .handle import Handle
+from .kv import BLOCK_SIZE, PrefixCache
 from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .sampling import SamplingParams, top_n_computed
 from .slots import SlotTable
@@ -88,16 +89,27 @@ class _OnHost:
 
 
 class Engine:
-    def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512):
+    def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512,
+                 prefix_cache_bytes: int | None = None, prefix_block_size: int = BLOCK_SIZE, kv_dtype=None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
+        if not isinstance(prefix_block_size, int) or prefix_block_size < 1:
+            raise ValueError(f"prefix_block_size must be an int >= 1, got {prefix_block_size!r}")
+        if prefix_cache_bytes is not None and (not isinstance(prefix_cache_bytes, int)
+                                               or isinstance(prefix_cache_bytes, bool) or prefix_cache_bytes < 0):
+            raise ValueError(f"prefix_cache_bytes must be an int >= 0 (0: no prefix cache; None: the device's "
+                             f"default), got {prefix_cache_bytes!r}")
         self.model, self.slots, self.max_len = model, slots, max_len
-        self.table = SlotTable(model.config, slots=slots, max_len=max_len, dtype=model.dtype)
+        self.table = SlotTable(model.config, slots=slots, max_len=max_len,
+                               dtype=device.kv_dtype(model.dtype, override=kv_dtype))
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
         self.items = ItemProcessor(self.table)
+        self.prefix_cache = _prefix_cache(model, self.table.keys[0].dtype, prefix_cache_bytes, prefix_block_size)
+        if self.prefix_cache is not None:
+            self.items.on_release = self._cache_what_it_holds
         self.rows = RowParams(slots, model.config.vocab_size)
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
@@ -136,7 +148,7 @@ class Engine:
             enders=p["stop_token_ids"] | (frozenset() if p["ignore_eos"] else model.eos_ids),
             handle=Handle(rid, p["loop"]),
             detok=model.tokenizer.detokenizer(skip_special_tokens=p["skip_special_tokens"]),
-            top_logprobs=top if (p["logprobs"] or top) else -1, on_token=p["on_token"],
+            top_logprobs=top if (p["logprobs"] or top) else -1, on_token=p["on_token"], salt=p["cache_salt"],
         )
         self.items.watch(item)  # its handle's cancel() reaches the item processor, wherever the item is
         return item
@@ -169,6 +181,7 @@ class Engine:
         admitted = self.items.admit()
         if admitted:
             self._occupancy_changed(admitted)
+            self._reuse(admitted)
         firsts = self._prefill()
         issued = self._decode(firsts)
         previous, self._pending = self._pending, issued
@@ -192,6 +205,38 @@ class Engine:
         self.rows.set([(it.params, it.seed) if it else None for it in self.items.by_slot])
         self.rows.reset_seen([it.slot for it in admitted], [it.prompt for it in admitted])
 
+    # -- the prefix cache ---------------------------------------------------------
+
+    def _reuse(self, admitted):
+        """Newly admitted items start from the longest cached prefix of their prompt: its K/V is
+        copied into their slot, and the Encoder prefills only the rest (at least the last token,
+        whose logits give the first one)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        for it in admitted:
+            blocks = cache.match(it.prompt, it.salt, limit=len(it.prompt) - 1)
+            if blocks:
+                self.table.write(it.slot, mx.concatenate([b.keys for b in blocks], axis=2),
+                                 mx.concatenate([b.values for b in blocks], axis=2))
+                it.prefilled = it.cached = len(blocks) * cache.block_size
+                self.table.lengths[it.slot] = it.cached
+
+    def _cache(self, item: Item, tokens):
+        """Copy the full blocks of ``tokens`` (what ``item``'s slot holds from position 0) that the
+        cache lacks."""
+        slot = item.slot
+        new = self.prefix_cache.insert(tokens, item.salt, lambda a, b: self.table.read(slot, a, b))
+        if new:  # copied now, before the slot is written again
+            mx.async_eval([a for b in new for a in (b.keys, b.values)])
+
+    def _cache_what_it_holds(self, item: Item):
+        """An item leaves its slot: its prompt and what it generated enter the cache, as far as
+        the slot holds their K/V (a generated token's is written by the step that reads it)."""
+        held = min(int(self.table.lengths[item.slot]), len(item.prompt) + len(item.tokens))
+        if held >= self.prefix_cache.block_size:
+            self._cache(item, (item.prompt + item.tokens)[:held])
+
     def _prefill(self) -> list[Item]:
         plan = self.encoder.plan(self.items.prefilling())
         if not plan:
@@ -209,10 +254,12 @@ class Engine:
             first, extra = out
             slots = mx.array([it.slot for it in done])
             self.tokens[slots] = first
-            self._first_extra = [_spread(e, slots, self.slots) for e in extra]
+            self._first_extra = [spread(e, slots, self.slots) for e in extra]
             for it in done:
                 self.items.prefilled(it)
                 it.issued, self.gen[it.slot] = 1, 1
+                if self.prefix_cache is not None:
+                    self._cache(it, it.prompt)
         # A fresh prefill attends to its own K/V, so the tokens do not depend on the cache
         # writes: evaluated here, or a batch that never decodes (max_tokens=1) would leave
         # them lazy and chain every later batch's graph onto them.
@@ -238,12 +285,11 @@ class Engine:
         fx = self._first_extra if firsts else None
         tokens_in = self.tokens
         if needed:
-            positions = np.full(self.slots, self.max_len, dtype=np.int32)
-            for it in needed:
-                positions[it.slot] = self.table.lengths[it.slot]
+            live = sorted(it.slot for it in needed)
+            positions = self.table.lengths
             self.rows.steps = mx.array(self.gen)
-            nxt, extra = self.decoder.step(tokens_in, mx.array(positions), int(positions[[it.slot for it in needed]].max()) + 1,
-                                           self.rows, top_n=top_n)
+            nxt, extra = self.decoder.step(tokens_in, live, positions, int(positions[live].max()) + 1, self.rows,
+                                           top_n=top_n)
             self.tokens = nxt
         else:
             nxt, extra = tokens_in, list(fx)  # placeholders of the right shapes; no row reads them
@@ -306,9 +352,12 @@ class Engine:
 
     def memory(self) -> dict:
         weights = sum(v.nbytes for _, v in _leaves(self.model.net.parameters()))
+        cache = self.prefix_cache
         return {
             "slots": self.slots, "max_len": self.max_len,
             "kv_cache_bytes": self.table.nbytes, "kv_bytes_per_slot": self.table.nbytes // self.slots,
+            "prefix_cache_bytes": cache.nbytes if cache else 0,
+            "prefix_cache_budget_bytes": cache.budget_bytes if cache else 0,
             "weights_bytes": weights, "peak_bytes": mx.get_peak_memory(),
         }
 
@@ -324,14 +373,20 @@ class Engine:
             "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_s"] if c["prefill_s"] else 0.0,
             "peak_memory_bytes": mx.get_peak_memory(),
             "uptime_s": time.perf_counter() - self._t0,
+            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
         }
 
 
-def _spread(a, slots, b):
-    """Rows of the Encoder's [m, ...] output placed at their slots in a [b, ...] array."""
-    out = mx.zeros((b, *a.shape[1:]), dtype=a.dtype)
-    out[slots] = a
-    return out
+def _prefix_cache(model, dtype, budget: int | None, block_size: int) -> PrefixCache | None:
+    """The engine's prefix cache: ``budget`` bytes (None: the device's default; 0: none) in blocks of
+    ``block_size`` tokens."""
+    if budget is None:
+        budget = device.prefix_cache_bytes()
+    if budget == 0:
+        return None
+    cfg = model.config
+    return PrefixCache(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       dtype=dtype, budget_bytes=budget, block_size=block_size)
 
 
 def _leaves(tree, prefix=""):

@@ -68,5 +68,9 @@ class Cancelled(SlotinferError):
     """The request was cancelled before it finished."""
 
 
+class OutOfMemoryError(SlotinferError, MemoryError):
+    """What the engine would reserve (its K/V slot table) does not fit in the memory available."""
+
+
 class EngineError(SlotinferError, RuntimeError):
     """The engine failed while running a request (the message carries the cause)."""

@@ -69,6 +69,8 @@ class Item:
     held: bool = False  # given to the ItemProcessor (ItemProcessor.add)
     slot: int = -1
     prefilled: int = 0
+    salt: str | None = None  # the prefix cache's tenant: only requests with the same salt share blocks
+    cached: int = 0  # prompt tokens whose K/V came from the prefix cache
     issued: int = 0  # tokens asked of the device so far (the Encoder's first, then one per decode step)
     state: State = State.WAITING  # changed only by ItemProcessor.move
     tokens: list[int] = field(default_factory=list)
@@ -91,6 +93,7 @@ class ItemProcessor:
         # Cancellations arrive here (from any thread) instead of being found by scanning every
         # waiting item each step, which would cost a step O(queue) in an offline job of millions.
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
+        self.on_release = None  # called with an item whose slot is about to be freed (its K/V still there)
 
     @property
     def busy(self) -> bool:
@@ -219,6 +222,8 @@ class ItemProcessor:
             except ValueError:
                 pass  # admit() took it off the queue and found it cancelled
         if item.slot >= 0 and self.by_slot[item.slot] is item:
+            if self.on_release is not None and error is None and reason != "error":
+                self.on_release(item)
             self.by_slot[item.slot] = None
             self.table.release(item.slot)
             self.free.append(item.slot)
@@ -238,7 +243,7 @@ class ItemProcessor:
         }
         item.handle._finish(Completion(
             tokens=list(item.tokens), text=item.text if reason != "cancelled" else item.text[: item.emitted],
-            finish_reason=reason, prompt_tokens=len(item.prompt),
+            finish_reason=reason, prompt_tokens=len(item.prompt), cached_tokens=item.cached,
             logprobs=list(item.logprobs) if item.top_logprobs >= 0 else None,
             top_logprobs=list(item.top) if item.top_logprobs > 0 else None,
             seed=item.seed, metrics=metrics,

@@ -94,15 +94,17 @@ def load(path, *, dtype=None, revision=None) -> Model:
     return assemble(cfg, weights, quant, dtype=dtype, path=folder, tokenizer=tokenizer)
 
 
-def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path, tokenizer) -> Model:
+def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path, tokenizer,
+             checked: bool = False) -> Model:
     """The tail every checkpoint format shares: device policy, checks, dequantize or keep quantized,
-    build the Transformer, load its weights; ``tokenizer()`` gives (Tokenizer, EOS ids)."""
+    build the Transformer, load its weights; ``tokenizer()`` gives (Tokenizer, EOS ids).  ``weights``
+    is consumed (emptied); ``checked``: the reader has already refused NaN and Inf."""
     stored = _stored_dtype(weights)
     compute = device.compute_dtype(stored, override=dtype)
     device.retain_freed_memory()
     keep_q = device.keep_quantized() and dtype is None
     check_weights(cfg, weights, quant)
-    if settings.check_finite():
+    if settings.check_finite() and not checked:
         check_finite(weights, path.name)
     weights = _prepare(cfg, weights, quant, compute, keep_q)
 
@@ -117,13 +119,15 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
 
 
 def _load_gguf(file: Path, dtype) -> Model:
-    cfg, weights, quant, meta = gguf.read(file)
+    cfg, weights, quant, meta, checked = gguf.read(file, keep_quantized=device.keep_quantized() and dtype is None,
+                                                   dtype=device.compute_dtype(mx.float32, override=dtype))
     tok = Tokenizer.from_gguf(meta, file.name)
     if tok.vocab_size > cfg.vocab_size:
         raise TokenizerError(
             f"{file.name}: the vocabulary (tokenizer.ggml.tokens) has {tok.vocab_size} tokens but token_embd has "
             f"{cfg.vocab_size} rows; the file is inconsistent, re-convert it")
-    return assemble(cfg, weights, quant, dtype=dtype, path=file, tokenizer=lambda: (tok, tok.eos_ids))
+    return assemble(cfg, weights, quant, dtype=dtype, path=file, tokenizer=lambda: (tok, tok.eos_ids),
+                    checked=checked)
 
 
 class TensorSpec(NamedTuple):
@@ -449,9 +453,12 @@ def _check_quantized(module: str, shape: tuple, weights: dict, q: dict):
 
 
 def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
-    """Dequantize (CPU policy), fold Gemma's norm offset, fuse projections and q/k norms, cast."""
-    out = {}
-    for name, w in weights.items():
+    """Dequantize (CPU policy), fold Gemma's norm offset, fuse projections and q/k norms, cast.
+
+    ``weights`` is emptied, so that no caller keeps a tensor alive once what replaces it is made."""
+    source, out = dict(weights), {}
+    weights.clear()
+    for name, w in source.items():
         module, kind = name.rsplit(".", 1)
         if module in quant and not keep_q:
             if kind in ("scales", "biases"):  # consumed by dequantize; a Linear's own "bias" stays
@@ -459,7 +466,7 @@ def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
         if module in quant and not keep_q and kind == "weight":
             q = quant[module]
             # in the compute dtype: half-precision scales would round every weight to half precision
-            w = mx.dequantize(w, weights[f"{module}.scales"].astype(compute), weights[f"{module}.biases"].astype(compute),
+            w = mx.dequantize(w, source[f"{module}.scales"].astype(compute), source[f"{module}.biases"].astype(compute),
                               group_size=q["group_size"], bits=q["bits"])
         if cfg.norm_offset and name.endswith("norm.weight"):
             w = w.astype(mx.float32) + cfg.norm_offset
@@ -468,6 +475,7 @@ def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
         out[name] = w
     if not keep_q:
         quant.clear()
+    del source
     return _fuse(cfg, out, quant, compute)
 
 
@@ -499,4 +507,6 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
                 for m in modules:
                     quant.pop(m)
                 quant[f"{parent}.{fused}"] = specs[0]
+        # made layer by layer: each layer's parts are freed before the next layer's fused copies exist
+        mx.eval([w for n, w in weights.items() if n.startswith(f"model.layers.{i}.")])
     return weights

@@ -34,6 +34,7 @@ from .errors import InvalidRequestError
 VOCAB = "vocab"  # an upper bound that is the model's vocabulary size
 MAX_INT = 2**31 - 1  # the decode step holds counts as int32
 MAX_STOPS = 64  # each stop string is searched for after every token
+MAX_SALT = 256
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Param:
     """One request parameter: its kind, the values it takes, its default and what it means."""
 
     name: str
-    kind: str  # int, float, bool, seed, stop, token_ids, callback, loop, timeout
+    kind: str  # int, float, bool, seed, stop, token_ids, salt, callback, loop, timeout
     default: object
     meaning: str
     lo: float | None = None
@@ -69,6 +70,8 @@ TABLE = (
     Param("skip_special_tokens", "bool", True, "leave special tokens such as <|im_end|> out of the text"),
     Param("logprobs", "bool", False, "report each generated token's log-probability"),
     Param("top_logprobs", "int", 0, "also report the n likeliest alternatives of each token", 0, VOCAB),
+    Param("cache_salt", "salt", None, "requests share cached prompt K/V only with requests of the same salt "
+                                      "(None: the shared default); a string of up to 256 characters"),
     Param("on_token", "callback", None, "a callable run with each StreamEvent, on the worker thread"),
     Param("loop", "loop", None, "the asyncio event loop that awaits the handle (async streaming)"),
     Param("block", "bool", True, "with a full admission queue: wait for room (True) or raise QueueFull"),
@@ -79,7 +82,7 @@ PARAMS = {p.name: p for p in TABLE}
 
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")  # SamplingParams' order
 GENERATE = (*SAMPLING, "max_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
-ENGINE = (*GENERATE, "logprobs", "top_logprobs", "on_token", "loop")  # Engine.make_item, batch_generate
+ENGINE = (*GENERATE, "logprobs", "top_logprobs", "cache_salt", "on_token", "loop")  # Engine.make_item, batch_generate
 SUBMIT = (*ENGINE, "block", "timeout")
 
 
@@ -128,6 +131,11 @@ def check_value(name: str, value, vocab: int | None = None):
         return _stop(value)
     if p.kind == "token_ids":
         return _token_ids(value, hi)
+    if p.kind == "salt":
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_SALT):
+            raise _bad(name, f"cache_salt must be None or a string of at most {MAX_SALT} characters, got "
+                             f"{short(value)}")
+        return value
     if p.kind == "callback":
         if value is not None and not callable(value):
             raise _bad(name, f"on_token must be a callable taking a StreamEvent, or None; got {short(value)}")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from . import device
 from .cache import window_mask
+from .errors import OutOfMemoryError
 
 
 class SlotTable:
@@ -24,6 +26,7 @@ class SlotTable:
         self.capacity = max_len + 1  # + the trash column
         self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
         shape = (slots, self.kv_heads, self.capacity, self.head_dim)
+        _check_fits(2 * config.num_layers * int(np.prod(shape)) * dtype.size, slots, max_len)
         self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
         self.values = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
         mx.eval(self.keys, self.values)
@@ -54,6 +57,18 @@ class SlotTable:
         self.prompt_in(slot)
         self.lengths[slot] = 0
 
+    def read(self, slot: int, start: int, stop: int):
+        """Copies of ``slot``'s K/V at positions ``start:stop``, ``[layers, kv_heads, n, head_dim]`` each."""
+        return (mx.stack([k[slot, :, start:stop] for k in self.keys]),
+                mx.stack([v[slot, :, start:stop] for v in self.values]))
+
+    def write(self, slot: int, keys, values):
+        """Put ``keys`` and ``values`` (``[layers, kv_heads, n, head_dim]``) at ``slot``'s positions 0..n-1."""
+        index = self.flat_index(mx.array([slot]), mx.arange(keys.shape[2])[None])
+        for layer in range(len(self.keys)):
+            self.keys[layer] = scatter(self.keys[layer], index, keys[layer][None])
+            self.values[layer] = scatter(self.values[layer], index, values[layer][None])
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
@@ -76,34 +91,54 @@ class SlotTable:
         return (cols[..., None] + mx.arange(d, dtype=dt)).reshape(-1)
 
 
+def _check_fits(need: int, slots: int, max_len: int):
+    """Refuse a table larger than the memory available, with a typed error instead of a crash."""
+    free = device.memory_available()
+    if free is not None and need > free:
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        raise OutOfMemoryError(
+            f"the K/V slot table of {slots} slots x {max_len} tokens needs {gib(need)} "
+            f"({need / slots / (max_len + 1) / 1024:.0f} KiB a token) and {gib(free)} is available here: "
+            f"lower slots or max_len")
+
+
 def scatter(cache, index, new):
     """Write ``new`` [n, heads, L, dim] into ``cache`` at ``index`` (from :meth:`SlotTable.flat_index`);
     returns the updated cache, written in place when nothing else holds ``cache``."""
-    flat = mx.put_along_axis(cache.reshape(-1), index, new.reshape(-1), axis=0)
+    flat = mx.put_along_axis(cache.reshape(-1), index, new.reshape(-1).astype(cache.dtype), axis=0)
     return flat.reshape(cache.shape)
 
 
 class DecodeView:
-    """Attention context of one decode step: one new token per slot.
+    """Attention context of one decode step: one new token for each of ``count`` rows.
 
-    ``positions`` [b] is where each slot's new token goes (its current length; the
-    trash column for idle slots); attention covers the first ``span`` columns only,
-    so a step costs what the live lengths need, not the capacity.
+    ``positions`` [count] is where each row's new token goes (its current length; the
+    trash column for padding rows); ``index`` the flat offsets of those writes.  The rows
+    are the table's first ``count`` slots when ``rows`` is None (read as a slice), else the
+    slots ``rows`` [count] (gathered).  Attention covers the first ``span`` columns only,
+    so a step costs what the live rows and lengths need, not the table's capacity.
     """
 
-    def __init__(self, table_keys, table_values, index, positions, span: int):
+    def __init__(self, table_keys, table_values, index, positions, span: int, *, rows=None, count: int):
         self.keys, self.values = list(table_keys), list(table_values)
         self.index, self.offset, self.span = index, positions, span
+        self.rows, self.count = rows, count
         self._masks = {}
 
     def update(self, layer, k, v):
         self.keys[layer] = scatter(self.keys[layer], self.index, k)
         self.values[layer] = scatter(self.values[layer], self.index, v)
-        return self.keys[layer][:, :, : self.span], self.values[layer][:, :, : self.span]
+        # K/V stored in another dtype than the model computes in (float16 on CPU) are read back in its own
+        return self._rows(self.keys[layer]).astype(k.dtype), self._rows(self.values[layer]).astype(v.dtype)
+
+    def _rows(self, cache):
+        if self.rows is None:
+            return cache[: self.count, :, : self.span]
+        return mx.take(cache[:, :, : self.span], self.rows, axis=0)
 
     def mask(self, layer, L, window):
         if window not in self._masks:
-            m = window_mask(self.offset[:, None], mx.arange(self.span), window)  # [b, 1, span]
+            m = window_mask(self.offset[:, None], mx.arange(self.span), window)  # [n, 1, span]
             self._masks[window] = m[:, None]
         return self._masks[window]
 
@@ -134,7 +169,8 @@ class PrefillView:
         t.values[layer] = scatter(t.values[layer], self.index, v)
         if self.fresh:
             return k, v
-        return t.keys[layer][self.rows, :, : self.span], t.values[layer][self.rows, :, : self.span]
+        return (t.keys[layer][self.rows, :, : self.span].astype(k.dtype),
+                t.values[layer][self.rows, :, : self.span].astype(v.dtype))
 
     def mask(self, layer, L, window):
         if window not in self._masks:

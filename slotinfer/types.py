@@ -19,6 +19,7 @@ class Completion:
     text: str
     finish_reason: str
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those whose K/V came from the prefix cache
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     seed: int | None = None

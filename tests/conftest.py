@@ -36,6 +36,17 @@ def models(model_dir):
     return {f: slotinfer.load(model_dir(f)) for f in FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real model, SmolLM2-135M-Instruct from its GGUF (skips where the wheel is not installed)."""
+    from slotinfer import default_model
+
+    path = default_model.path()
+    if path is None:
+        pytest.skip(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
+    return slotinfer.load(path)
+
+
 @pytest.fixture
 def head_1():
     """``python -m slotinfer ARGS < stdin | head -1``: (exit status, the first line, stderr)."""

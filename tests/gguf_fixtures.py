@@ -7,6 +7,12 @@ Gemma's norms stored as ``1 + w``, 2-D weights in the requested type, the vocabu
 to the embedding with ``[PADn]`` tokens, and the tokenizer as metadata.  Everything here is
 written independently of slotinfer's reader (only numpy, json and ``gguf``).
 
+Weights go in any GGUF type: the types ``gguf`` can quantize (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+are quantized from the model's weights; for the others (K-quants, I-quants) ``gguf`` has
+only dequantizers, so :func:`random_blocks` writes valid random blocks whose values have the
+weights' spread.  Either way the reference for what a reader must get back is ``gguf``'s own
+dequantization of the file (:func:`dequantized_twin`).
+
 :func:`twin` writes the safetensors folder the GGUF is compared with; its tokenizer.json
 splits text with the real pre-tokenizer of the family (Llama 3's or Qwen 2's regex), so the
 two files describe the same tokenizer.
@@ -15,6 +21,7 @@ two files describe the same tokenizer.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import gguf
@@ -40,14 +47,15 @@ _GEMMA_LAYER = {"pre_feedforward_layernorm": "ffn_norm", "post_attention_layerno
 _CONTROL, _USER_DEFINED, _UNUSED, _BYTE, _UNKNOWN = 3, 4, 5, 6, 2
 
 
-def twin(family: str, path: Path, **kw) -> Path:
+def twin(family: str, path: Path, dims: dict | None = None, **kw) -> Path:
     """The safetensors model a GGUF of ``family`` is written from, in settings a GGUF can express:
     Gemma's attention scaled by the head size (what llama.cpp assumes), and for Llama a rope base
     that puts two of head size 16's frequencies in Llama 3's blended band (its rope scaling is
-    stored as one factor per frequency)."""
+    stored as one factor per frequency).  ``dims`` overrides the sizes (e.g. :data:`K_QUANT_DIMS`)."""
     overrides = {"rope_theta": 10000.0} if family == "llama" else {}
+    overrides.update(dims or {})
     if family.startswith("gemma"):
-        overrides["query_pre_attn_scalar"] = 32
+        overrides["query_pre_attn_scalar"] = overrides.get("head_dim", 32)
     folder = make_tiny_model(family, path, overrides=overrides, **kw)
     split = {"llama": LLAMA3_REGEX, "qwen2": QWEN2_REGEX, "qwen3": QWEN2_REGEX}.get(family)
     if split is not None:
@@ -195,28 +203,111 @@ def tokenizer_metadata(folder: Path, vocab_size: int, *, gemma: bool) -> dict:
     return meta
 
 
+# K-QUANT_DIMS: sizes whose rows are whole 256-value super-blocks (hidden, heads x head size, feed-forward)
+K_QUANT_DIMS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, num_hidden_layers=2)
+# types gguf can only dequantize: the offsets of each block's float16 scale fields (ggml's block structs:
+# Q2_K ends in d, dmin; Q3_K and Q6_K end in d; the others start with d, and Q4_K/Q5_K with d, dmin)
+SCALE_FIELDS = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+                T.IQ4_NL: (0,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,),
+                T.IQ3_XXS: (0,), T.IQ3_S: (0,), T.IQ1_S: (0,), T.IQ1_M: "IQ1_M"}
+
+
+def _set_f16(blocks: np.ndarray, field, values: np.ndarray) -> None:
+    bits = values.astype(np.float16).view(np.uint16)
+    if field == "IQ1_M":  # d is split into the top 4 bits of the block's four uint16 scales (bytes 48..55)
+        scales = blocks[:, 48:56].copy().view(np.uint16)
+        for i in range(4):
+            scales[:, i] = (scales[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        blocks[:, 48:56] = scales.view(np.uint8)
+    else:
+        blocks[:, field:field + 2] = bits.view(np.uint8).reshape(-1, 2)
+
+
+def random_blocks(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
+    """Valid random ``qtype`` blocks for a tensor of ``w``'s shape: random bytes, with each block's
+    float16 scales set (a random factor in [0.5, 1.5] per block) so that gguf's dequantization has
+    ``w``'s standard deviation and, where the type has a min, mean zero."""
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(w.size // per, size), dtype=np.uint8)
+    fields = SCALE_FIELDS[qtype]
+    fields = (fields,) if isinstance(fields, str) else fields
+
+    def read(*scales):  # gguf's values with every block's scale fields set to ``scales``
+        b = blocks.copy()
+        for field, value in zip(fields, scales):
+            _set_f16(b, field, np.full(len(b), value))
+        return gguf.quants.dequantize(b.reshape(w.shape[0], -1), qtype)
+
+    ratio = read(1.0, 0.0).mean() / -read(0.0, 1.0).mean() if len(fields) == 2 else 0.0
+    unit = read(1.0, ratio).std()
+    factor = rng.uniform(0.5, 1.5, len(blocks)) * float(w.std()) / unit
+    for field, value in zip(fields, (1.0, ratio)):
+        _set_f16(blocks, field, factor * value)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def encode(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
+    """``w`` as ``qtype`` blocks (uint8 rows): random blocks for the types gguf only dequantizes, else gguf's quantizer."""
+    return random_blocks(w, qtype, rng) if qtype in SCALE_FIELDS else gguf.quants.quantize(w, qtype)
+
+
+def llama_cpp_q4_k_m(name: str, w: np.ndarray) -> T:
+    """The type llama.cpp's Q4_K_M recipe gives a tensor: Q6_K for the output, the value projections
+    and every other layer's down projection, Q4_K elsewhere; rows that are not whole 256-value
+    super-blocks fall back to Q8_0 (for Q6_K) and Q5_0 (for Q4_K); norms and biases stay F32."""
+    if w.ndim != 2:
+        return T.F32
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    big = name.startswith("output.") or ".attn_v." in name or (".ffn_down." in name and layer % 2 == 0)
+    if w.shape[1] % 256:
+        return T.Q8_0 if big else T.Q5_0
+    return T.Q6_K if big else T.Q4_K
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse of :func:`permute`: Hugging Face's q/k row order again."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantized_twin(folder: Path, path: Path, out: Path) -> Path:
+    """A copy of the safetensors ``folder`` whose weights are gguf's own reading of the GGUF ``path``
+    (``gguf.GGUFReader`` and ``gguf.quants.dequantize``) in Hugging Face's layout: what loading the
+    GGUF must give, weight for weight."""
+    from safetensors.numpy import save_file
+
+    cfg = text_config(folder)
+    mt = cfg["model_type"]
+    gemma = mt.startswith("gemma")
+    hf = {gguf_name(n, gemma): n for n in hf_tensors(folder)}
+    weights = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+        name = hf[t.name]
+        if mt == "llama" and ".q_proj." in name:
+            w = unpermute(w, cfg["num_attention_heads"])
+        elif mt == "llama" and ".k_proj." in name:
+            w = unpermute(w, cfg["num_key_value_heads"])
+        if gemma and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)
+        weights[name] = np.ascontiguousarray(w)
+    shutil.copytree(folder, out)
+    for f in out.glob("*.safetensors*"):
+        f.unlink()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def quantized(w: np.ndarray, qtype: T) -> np.ndarray:
     """What a reader gets back from ``w`` stored as ``qtype`` (gguf's own numpy reference)."""
     return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
 
 
-def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, meta_edits: dict | None = None,
-               tensor_edits=None, arch: str | None = None) -> Path:
-    """Write the model of ``folder`` as a GGUF: 2-D weights as ``qtype``, norms and biases F32.
-
-    ``meta_edits`` replaces keys (None deletes one); ``tensor_edits(list)`` returns the
-    (name, data, type) list to write, to build broken files.
-    """
-    meta = metadata(folder)
-    for key, value in (meta_edits or {}).items():
-        if value is None:
-            meta.pop(key, None)
-        else:
-            meta[key] = value
-    plan = [(n, w, T[qtype] if w.ndim == 2 else T.F32) for n, w in tensors(folder)]
-    if tensor_edits is not None:
-        plan = tensor_edits(plan)
-    writer = gguf.GGUFWriter(str(out), arch or ARCH[text_config(folder)["model_type"]])
+def add_metadata(writer: gguf.GGUFWriter, meta: dict) -> None:
+    """Each value as llama.cpp's converter types it: ints uint32, floats float32."""
     for key, value in meta.items():
         if isinstance(value, bool):
             writer.add_bool(key, value)
@@ -228,6 +319,29 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, meta_edits: dict 
             writer.add_string(key, value)
         else:
             writer.add_array(key, value)
+
+
+def write_gguf(folder: Path, out: Path, qtype="F32", *, meta_edits: dict | None = None,
+               tensor_edits=None, arch: str | None = None, seed: int = 0) -> Path:
+    """Write the model of ``folder`` as a GGUF: 2-D weights as ``qtype``, norms and biases F32.
+
+    ``qtype`` is a type name or a function (GGUF name, data) -> type, as :func:`llama_cpp_q4_k_m`;
+    ``meta_edits`` replaces keys (None deletes one); ``tensor_edits(list)`` returns the
+    (name, data, type) list to write, to build broken files; ``seed`` draws the random blocks.
+    """
+    meta = metadata(folder)
+    for key, value in (meta_edits or {}).items():
+        if value is None:
+            meta.pop(key, None)
+        else:
+            meta[key] = value
+    choose = qtype if callable(qtype) else (lambda n, w: T[qtype] if w.ndim == 2 else T.F32)
+    plan = [(n, w, choose(n, w)) for n, w in tensors(folder)]
+    if tensor_edits is not None:
+        plan = tensor_edits(plan)
+    writer = gguf.GGUFWriter(str(out), arch or ARCH[text_config(folder)["model_type"]])
+    add_metadata(writer, meta)
+    rng = np.random.default_rng(seed)
     for name, w, typ in plan:
         if typ == T.F32:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
@@ -236,7 +350,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "F32", *, meta_edits: dict 
         elif isinstance(w, np.ndarray) and w.dtype == np.uint8:  # raw blocks, written as given
             writer.add_tensor(name, w, raw_shape=w.shape, raw_dtype=typ)
         else:
-            q = gguf.quants.quantize(w, typ)
+            q = encode(w, typ, rng)
             writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=typ)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -375,3 +375,28 @@ def test_cli_into_a_closed_pipe_exits_quietly(tiny, head_1):
     rc, first, err = head_1(["classify", "--model", tiny["qwen3"][0], "--labels", "a,b", "-q", "-"], lines)
     assert rc == 1 and "label" in json.loads(first)
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_a_shared_prefix_is_computed_once_across_calls(tiny, monkeypatch):
+    """An offline job calls classify batch after batch with one instruction: its K/V is computed on
+    the first call only, and the kept prefixes stay bounded."""
+    from slotinfer import classify as classify_module
+
+    model = tiny["qwen3"][1]
+    made = []
+    real = classify_module.SharedPrefix
+
+    def counting(*a, **kw):
+        made.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(classify_module, "SharedPrefix", counting)
+    prefix = "Label the topic of this sentence: "
+    first = classify(model, ["the match ended", "rates rose"], prefix=prefix, return_logits=True)
+    again = classify(model, ["the match ended", "rates rose"], prefix=prefix, return_logits=True)
+    assert len(made) == 1
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a.logits, b.logits)
+    for i in range(classify_module.PREFIXES_KEPT + 3):
+        classify(model, ["x"], prefix=f"Instruction number {i}: ", return_logits=True)
+    assert len(classify_module._PREFIXES[model]) <= classify_module.PREFIXES_KEPT

@@ -285,7 +285,9 @@ def test_kv_cache_is_written_in_place_while_steps_overlap(model_dir):
 def test_memory_does_not_grow_over_batches(models, max_tokens):
     """Batch after batch through one engine holds no more memory than the first: nothing
     of a finished batch stays reachable (a prefill-only batch, max_tokens=1, writes K/V
-    that no decode step reads)."""
+    that no decode step reads).  Only a few KiB move between batches (a step variant first
+    compiled in a later batch, the allocator's small buffers), where a batch's graph kept
+    alive would hold a whole version of the table."""
     m = models["llama"]
     eng = Engine(m, slots=4, max_len=64)
     active = []
@@ -295,7 +297,7 @@ def test_memory_does_not_grow_over_batches(models, max_tokens):
         eng.run_until_done()
         mx.eval(eng.tokens)
         active.append(mx.get_active_memory())
-    assert max(active[1:]) <= active[0]
+    assert max(active[1:]) - active[0] < eng.table.nbytes / 8
 
 
 def test_engine_rejects_bad_construction(models):

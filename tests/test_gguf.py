@@ -12,10 +12,11 @@ import shutil
 import sys
 from pathlib import Path
 
+import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import slotinfer
 from slotinfer import default_model
@@ -24,14 +25,19 @@ from slotinfer.errors import (ConfigError, ModelNotFoundError, TokenizerError, U
                               WeightError)
 from slotinfer.testing import FAMILIES
 
-gguf = pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_fixtures import T, hf_tensors, permute, quantized, tensors, twin, write_gguf  # noqa: E402
+from gguf_fixtures import (K_QUANT_DIMS, T, dequantized_twin, hf_tensors, llama_cpp_q4_k_m, permute,  # noqa: E402
+                           quantized, random_blocks, tensors, twin, write_gguf)
 
 IDS = [5, 17, 42, 99, 7, 130, 64, 8, 21, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # > Gemma's window
 TEXTS = ["Hello world, this is a test.", "The quick brown fox 12345 jumps!\n\nNew line", "  spaced   out  ",
          "naïve café ☃ 😀", "don't STOP, it's 3.14159"]
 QUANT = ("Q8_0", "Q4_0", "Q4_1")
+# read through gguf's dequantizers: legacy 5-bit, K-quants, I-quants
+K_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS",
+           "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S")
+# rows of 320 are not whole 256-value super-blocks: a Q4_K_M file falls back to Q5_0/Q8_0 there, as in SmolLM2
+MIXED_DIMS = dict(K_QUANT_DIMS, hidden_size=320, num_attention_heads=5, num_key_value_heads=1)
 
 
 def last_logits(model, ids=IDS):
@@ -55,6 +61,41 @@ def files(tmp_path_factory):
         return tw, out
 
     return get
+
+
+@pytest.fixture(scope="module")
+def kfiles(tmp_path_factory):
+    """kfiles(family, qtype, dims="k") -> (safetensors twin, GGUF path, gguf's dequantized twin), each written
+    once; ``qtype`` a type name or "Q4_K_M" (llama.cpp's mix), ``dims`` "k" (K_QUANT_DIMS) or "mixed"."""
+    root = tmp_path_factory.mktemp("kquant")
+    made = {}
+
+    def get(family, qtype, dims="k", seed=0):
+        key = (family, qtype, dims, seed)
+        if key not in made:
+            tw = root / f"{family}-{dims}"
+            if not tw.exists():
+                twin(family, tw, dims=K_QUANT_DIMS if dims == "k" else MIXED_DIMS)
+            out = root / f"{family}-{dims}-{qtype}-{seed}.gguf"
+            write_gguf(tw, out, llama_cpp_q4_k_m if qtype == "Q4_K_M" else qtype, seed=seed)
+            made[key] = tw, out, dequantized_twin(tw, out, root / f"{out.stem}-dequantized")
+        return made[key]
+
+    return get
+
+
+def parameters(model) -> dict:
+    from mlx.utils import tree_flatten
+
+    return {k: np.array(v) for k, v in tree_flatten(model.net.parameters())}
+
+
+def assert_same_weights(got, want):
+    a, b = parameters(got), parameters(want)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 def broken(files, tmp_path, family="llama", **kw) -> Path:
@@ -122,6 +163,68 @@ def test_q4_weights_dequantize_to_the_reference(files):
     assert m.net.model.embed_tokens.weight.dtype == mx.float32
     np.testing.assert_allclose(np.array(m.net.lm_head.weight), quantized(
         hf_tensors(files("llama")[0])["lm_head.weight"], T.Q4_0), rtol=0, atol=1e-6)
+
+
+# -- K-quants, I-quants, Q5_0/Q5_1 and llama.cpp's mixed files: what gguf's reference reads ------------
+
+@pytest.mark.parametrize("qtype", K_TYPES)
+def test_each_type_loads_as_gguf_dequantizes_it(kfiles, qtype):
+    """Every weight of the loaded model is gguf's own dequantization of the file's tensor, bit for bit:
+    shapes, row order (Llama's q/k rows restored), fusion and dtype, against a safetensors folder holding
+    what gguf.GGUFReader + gguf.quants.dequantize read from the same file."""
+    _, path, reference = kfiles("llama", qtype)
+    assert {t.tensor_type for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2} == {T[qtype]}
+    got, want = slotinfer.load(path), slotinfer.load(reference)
+    assert got.dtype == mx.float32
+    assert_same_weights(got, want)
+    assert got.generate(IDS[:6], max_tokens=6, ignore_eos=True).tokens == \
+        want.generate(IDS[:6], max_tokens=6, ignore_eos=True).tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_q4_k_m_mix_loads_and_generates(kfiles, family):
+    """A file mixed as llama.cpp's Q4_K_M writes it (Q4_K, Q6_K, the Q5_0/Q8_0 fallbacks of rows that
+    are not whole super-blocks, F32 norms) is the model gguf reads from it, and chats."""
+    _, path, reference = kfiles(family, "Q4_K_M", dims="mixed")
+    kinds = {t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert kinds == {T.F32, T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0}
+    got, want = slotinfer.load(path), slotinfer.load(reference)
+    assert_same_weights(got, want)
+    np.testing.assert_array_equal(last_logits(got), last_logits(want))
+    prompt = got.apply_chat_template([{"role": "user", "content": "Name a colour."}])
+    out = got.generate(prompt, max_tokens=10, ignore_eos=True)
+    assert len(out.tokens) == 10 and out.tokens == want.generate(prompt, max_tokens=10, ignore_eos=True).tokens
+
+
+@settings(deadline=None)
+@given(family=st.sampled_from(["llama", "qwen3", "gemma2"]), qtype=st.sampled_from(K_TYPES + ("Q4_K_M",)),
+       seed=st.integers(0, 2**16))
+def test_any_type_and_blocks_load_as_gguf_reads_them(kfiles, family, qtype, seed):
+    _, path, reference = kfiles(family, qtype, "mixed" if qtype == "Q4_K_M" else "k", seed)
+    assert_same_weights(slotinfer.load(path), slotinfer.load(reference))
+
+
+def test_kept_quantized_where_the_device_keeps_weights_quantized(kfiles, monkeypatch):
+    """The GPU policy (run here on the CPU's kernels): gguf's reading is requantized to MLX's affine layout,
+    4 bits for Q4_K, 8 for Q6_K/Q5_0/Q8_0, close to the dequantized weights, and the model computes."""
+    from slotinfer import device
+
+    _, path, reference = kfiles("llama", "Q4_K_M", dims="mixed")
+    monkeypatch.setattr(device, "default_device", lambda: "gpu")
+    got = slotinfer.load(path)
+    assert got.dtype == mx.float16
+    layers = got.net.model.layers
+    assert [layers[i].mlp.down_proj.bits for i in (0, 1)] == [8, 4]  # Q6_K, Q4_K
+    assert layers[0].mlp.gate_up_proj.bits == 8 and layers[0].self_attn.qkv_proj.bits == 8  # Q5_0 (+ Q8_0 for v)
+    want = parameters(slotinfer.load(reference, dtype="float32"))
+    for i in (0, 1):
+        down = layers[i].mlp.down_proj
+        w = np.array(mx.dequantize(down.weight, down.scales, down.biases, group_size=32, bits=down.bits)
+                     .astype(mx.float32))
+        ref = want[f"model.layers.{i}.mlp.down_proj.weight"]
+        assert np.sqrt(np.mean((w - ref) ** 2)) / ref.std() < (0.1 if down.bits == 4 else 0.01)
+    out = got.generate(IDS[:6], max_tokens=6, ignore_eos=True)
+    assert len(out.tokens) == 6
 
 
 @pytest.mark.parametrize("dtype,qtype", [("float16", "F16"), ("bfloat16", "BF16")])
@@ -206,6 +309,70 @@ def test_truncated_file(files, tmp_path):
             slotinfer.load(tmp_path / "t.gguf")
 
 
+def k_quant_plan(edit):
+    """tensor_edits for a llama file whose every 2-D weight is Q4_K blocks, ``edit(name, blocks)`` applied."""
+    rng = np.random.default_rng(0)
+
+    def plan(rows):
+        out = []
+        for name, w, kind in rows:
+            if w.ndim == 2:
+                blocks = random_blocks(w, T.Q4_K, rng)
+                out.append((name, edit(name, blocks), T.Q4_K))
+            else:
+                out.append((name, w, kind))
+        return out
+
+    return plan
+
+
+@pytest.fixture(scope="module")
+def k_twin(tmp_path_factory):
+    return twin("llama", tmp_path_factory.mktemp("k-twin") / "llama", dims=K_QUANT_DIMS)
+
+
+def test_truncated_k_quant_tensor(k_twin, tmp_path):
+    path = write_gguf(k_twin, tmp_path / "k.gguf", tensor_edits=k_quant_plan(lambda n, b: b))
+    last = max((t for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type == T.Q4_K),
+               key=lambda t: t.data_offset)
+    data = path.read_bytes()[:last.data_offset + last.n_bytes - 100]  # inside its last super-block
+    path.write_bytes(data)
+    with pytest.raises(WeightError, match=rf"truncated or damaged: tensor {last.name} \(Q4_K, shape"):
+        slotinfer.load(path)
+
+
+def test_rows_that_are_not_whole_super_blocks(k_twin, tmp_path):
+    """A Q4_K tensor whose header says rows of 128 values (half a 256-value super-block; same bytes)."""
+    path = write_gguf(k_twin, tmp_path / "k.gguf", tensor_edits=k_quant_plan(lambda n, b: b))
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_up.weight"
+    at = data.index(name) + len(name)  # then: n_dims (u32), ne0, ne1 (u64 each), type, offset
+    n_dims, ne0, ne1 = np.frombuffer(bytes(data[at:at + 20]), dtype="<u4", count=1)[0], \
+        *np.frombuffer(bytes(data[at + 4:at + 20]), dtype="<u8")
+    assert (n_dims, ne0) == (2, 256)
+    data[at + 4:at + 20] = np.array([128, 2 * ne1], dtype="<u8").tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(WeightError, match="tensor blk.0.ffn_up.weight is Q4_K with rows of 128 values, which is not "
+                                          "a whole number of Q4_K's 256-value blocks"):
+        slotinfer.load(path)
+
+
+def test_nan_scales(k_twin, tmp_path, monkeypatch):
+    def poison(name, blocks):
+        if name == "blk.1.attn_v.weight":
+            blocks = blocks.copy()
+            blocks[5, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)  # the 6th super-block's d
+        return blocks
+
+    path = write_gguf(k_twin, tmp_path / "nan.gguf", tensor_edits=k_quant_plan(poison))
+    with pytest.raises(WeightError, match=r"tensor blk.1.attn_v.weight \(Q4_K\) holds NaN or Inf values once "
+                                          "dequantized"):
+        slotinfer.load(path)
+    monkeypatch.setenv("SLOTINFER_CHECK_FINITE", "0")  # the user's way past the check
+    v = slotinfer.load(path).net.model.layers[1].self_attn.qkv_proj.weight
+    assert np.isnan(np.array(v)).sum() == 256  # that super-block, and nothing else
+
+
 def test_not_a_gguf(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"<html>not found</html>" * 4)
     with pytest.raises(WeightError, match="not a GGUF file"):
@@ -213,14 +380,15 @@ def test_not_a_gguf(tmp_path):
 
 
 def test_unknown_tensor_type(files, tmp_path):
-    def k_quant(plan):  # one weight as Q4_K blocks (144 bytes per 256 values): a K-quant file
+    def ternary(plan):  # one weight as TQ2_0 blocks (66 bytes per 256 values), BitNet's type
         n, w, _ = plan[3]
-        return plan[:3] + [(n, np.zeros((w.shape[0], 144), dtype=np.uint8), T.Q4_K)] + plan[4:]
+        return plan[:3] + [(n, np.zeros((w.shape[0], 66), dtype=np.uint8), T.TQ2_0)] + plan[4:]
 
     with pytest.raises(WeightError) as e:
-        slotinfer.load(broken(files, tmp_path, tensor_edits=k_quant))
+        slotinfer.load(broken(files, tmp_path, tensor_edits=ternary))
     msg = str(e.value)
-    assert "is Q4_K" in msg and "F32, F16, BF16, Q4_0, Q4_1, Q8_0" in msg and "llama-quantize" in msg
+    assert "tensor blk.3.attn_output.weight is TQ2_0" in msg and "llama-quantize" in msg
+    assert "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K" in msg
 
 
 def test_unknown_architecture(files, tmp_path):

@@ -29,7 +29,9 @@ PROMPTS = ["Hello there, how are you today?", "The quick brown fox jumps over th
            "Les enfants jouent dans le jardin."]
 GREEDY = dict(max_tokens=6, ignore_eos=True)
 SLOTS, MAX_LEN = 2, 64
-VARIANTS_BOUND = 2 * 2 * 2 * 6  # greedy x sort x penalty x logprob counts, one span bucket at MAX_LEN 64
+# row layouts (1 row at slot 0 or gathered, 2 rows) x greedy x sort x penalty x logprob counts, one span
+# bucket at MAX_LEN 64
+VARIANTS_BOUND = 3 * 2 * 2 * 2 * 6
 EXAMPLES = int(os.environ.get("SLOTINFER_HOSTILE_EXAMPLES", "200"))  # ~15 s on 2 CPU cores
 
 

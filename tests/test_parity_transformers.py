@@ -10,6 +10,10 @@ the installed transformers writes), and both libraries load that folder:
    ``Model.generate(..., ignore_eos=True)``), which also checks the decode path
    with its KV cache and sliding windows past the prompt.
 
+GGUF files in K-quant and I-quant types, and mixed as llama.cpp's Q4_K_M, written by
+``tests/gguf_fixtures.py`` from slotinfer's tiny models, are read by both (transformers
+dequantizes them with gguf itself): last-position logits and greedy tokens agree.
+
 The real SmolLM2-135M-Instruct GGUF (when its wheel is installed) is read by both:
 transformers dequantizes it itself (``from_pretrained(dir, gguf_file=...)``, float32), and
 prompt ids, chat rendering, last-position logits and greedy tokens (text and chat prompts,
@@ -129,6 +133,49 @@ def test_greedy_tokens_match(pair):
     got = ours.generate(ids, max_tokens=NEW_TOKENS, ignore_eos=True).tokens
     assert len(want) == NEW_TOKENS
     assert got == want, f"{case.name}: slotinfer {got} vs transformers {want}"
+
+
+# -- K-quant and I-quant GGUF files, read by transformers itself -------------------------------
+
+# sizes whose GGUF transformers reads as the same model: rows of 320 values (not whole super-blocks, so a
+# Q4_K_M mix falls back to Q5_0/Q8_0 there) and its own defaults where it ignores the metadata (Qwen 3's
+# head size 128, Gemma's attention scale of 256 = the head size; no Llama 3 rope scaling)
+K_FAMILIES = {"llama": {"rope_scaling": None}, "qwen2": {}, "qwen3": {"head_dim": 128},
+              "gemma2": {"head_dim": 256}, "gemma3_text": {"head_dim": 256}}
+K_CASES = [(f, "Q4_K_M") for f in K_FAMILIES] + [("llama", q) for q in (
+    "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ2_XXS", "IQ1_M")]
+
+
+@pytest.fixture(scope="module")
+def k_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("parity-kquant")
+
+
+@pytest.mark.parametrize("family,qtype", K_CASES, ids=lambda v: v)
+def test_k_quant_gguf_matches_transformers(k_root, family, qtype):
+    from transformers import AutoModelForCausalLM
+
+    from gguf_fixtures import K_QUANT_DIMS, llama_cpp_q4_k_m, twin, write_gguf
+
+    dims = dict(K_QUANT_DIMS, **K_FAMILIES[family])
+    if qtype == "Q4_K_M":
+        dims.update(hidden_size=320, num_attention_heads=5, num_key_value_heads=1)
+    tw = k_root / f"{family}-{qtype}"
+    path = write_gguf(twin(family, tw, dims=dims), k_root / f"{family}-{qtype}.gguf",
+                      llama_cpp_q4_k_m if qtype == "Q4_K_M" else qtype)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(k_root, gguf_file=path.name, dtype=torch.float32).eval()
+    ours = slotinfer.load(path, dtype="float32")
+    ids = _prompt(ours.tokenizer.vocab_size, seed=3)[:12]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = ref(x).logits[0, -1].numpy()
+        out = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8,
+                           eos_token_id=None)
+    h = ours.net(mx.array([ids]), SequenceCache(ours.config.num_layers))
+    got = np.array(ours.net.head(h[:, -1]).astype(mx.float32))[0]
+    assert np.abs(got - want).max() <= ATOL, (np.abs(got - want).max(), np.abs(want).max())
+    assert ours.generate(ids, max_tokens=8, ignore_eos=True).tokens == out[0, len(ids):].tolist()
 
 
 # -- SmolLM2-135M-Instruct: one real GGUF, read by transformers itself ----------------------

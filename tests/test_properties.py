@@ -41,8 +41,13 @@ def requests(draw, sampled=False):
 
 
 def run_schedule(model, reqs, slots, prefill_tokens, *, on_step=None):
-    """Feed requests to an engine at their arrival steps; return their handles in request order."""
+    """Feed requests to an engine at their arrival steps; return it and their handles in request order."""
     engine = Engine(model, slots=slots, max_len=MAX_LEN, prefill_tokens=prefill_tokens)
+    return engine, feed(engine, reqs, on_step=on_step)
+
+
+def feed(engine, reqs, *, on_step=None):
+    """Run ``reqs`` (arrival step, prompt, params) on ``engine`` until all end; their handles in order."""
     handles, step = [None] * len(reqs), 0
     while engine.busy or any(h is None for h in handles):
         for i, (arrival, ids, params) in enumerate(reqs):
@@ -54,7 +59,7 @@ def run_schedule(model, reqs, slots, prefill_tokens, *, on_step=None):
             on_step(step, handles)
         engine.step()
         step += 1
-    return engine, handles
+    return handles
 
 
 def slot_counts():

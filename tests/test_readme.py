@@ -1,4 +1,4 @@
-"""The README's Python examples run as written, against the real default model."""
+"""The Python examples of the README (and of the docs pages listed) run as written, against the real default model."""
 
 import re
 import subprocess
@@ -9,14 +9,21 @@ import pytest
 
 from slotinfer import default_model
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, ROOT / "docs" / "prefix-cache.md"]
 # the library examples; the server and Ray ones are covered by tests/test_serve*.py and tests/test_ray.py
-BLOCKS = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-          if "openai" not in b and "slotinfer.ray" not in b]
+
+def _blocks(page):
+    return [b for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+            if "openai" not in b and "slotinfer.ray" not in b]
+
+
+BLOCKS = [b for page in PAGES for b in _blocks(page)]
 
 
 def test_the_readme_shows_each_library_api():
-    text = "\n".join(BLOCKS)
+    text = "\n".join(_blocks(README))
     for api in ("slotinfer.load(", ".generate(", ".chat(", "Inferencer(", "serve_queue", "generate_async",
                 ".batch_generate(", ".classify("):
         assert api in text, api

@@ -341,3 +341,37 @@ def test_the_default_served_name_is_clean(path, name):
 def test_max_completion_tokens_is_taken_by_both_endpoints(client):
     r = client.completions.create(model=NAME, prompt="hi", extra_body={"max_completion_tokens": 3, "ignore_eos": True})
     assert r.usage.completion_tokens == 3
+
+
+def test_cached_tokens_are_reported_and_exported(client, server, model):
+    """A repeated system prompt hits the prefix cache: usage says how many prompt tokens it served,
+    streamed or not, the metrics count the hits, and a different cache_salt shares nothing."""
+    url, inf = server
+    system = {"role": "system", "content": "You are a careful assistant who answers briefly. " * 6}
+    msgs = [system, {"role": "user", "content": "Name a fruit."}]
+    first = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0)
+    again = client.chat.completions.create(model=NAME, messages=[system, {"role": "user", "content": "Name a tree."}],
+                                           max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    hit = again.usage.prompt_tokens_details.cached_tokens
+    assert hit >= 32 and hit % 32 == 0 and hit < again.usage.prompt_tokens
+    chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= hit
+    salted = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0,
+                                            extra_body={"cache_salt": "another tenant"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.choices[0].message.content == first.choices[0].message.content
+    text = httpx.get(url + "/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    st_ = inf.stats()["prefix_cache"]
+    assert values["slotinfer_prefix_cache_hit_tokens_total"] >= 2 * hit
+    assert values["slotinfer_prefix_cache_bytes"] > 0 and values["slotinfer_prefix_cache_queries_total"] >= 4
+    assert st_["evictions"] == values["slotinfer_prefix_cache_evictions_total"]
+
+
+def test_a_bad_cache_salt_is_a_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"cache_salt": 5})
+    assert e.value.body["param"] == "cache_salt"

@@ -443,3 +443,38 @@ def test_what_a_huge_prompt_took_is_given_back(model_dir):
         proc.terminate()
         proc.wait(timeout=60)
         proc.stderr.close()
+
+
+@pytest.mark.parametrize("flags,cached", [(["--prefix-cache-bytes", "64MiB", "--kv-dtype", "float16"], True),
+                                          (["--no-prefix-cache"], False)])
+def test_the_prefix_cache_flags(model_dir, flags, cached):
+    proc, url = _serve(model_dir, "--slots", "2", "--max-len", "256", *flags)
+    body = {"prompt": "a long shared instruction " * 12 + "then a question", "max_tokens": 2}
+    try:
+        got = [httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"] for _ in range(2)]
+        metrics = httpx.get(url + "/metrics").text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        proc.stderr.close()
+    assert got[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert (got[1]["prompt_tokens_details"]["cached_tokens"] > 0) == cached
+    assert ("slotinfer_prefix_cache_budget_bytes 6.7108864e+07" in metrics) == cached
+
+
+@pytest.mark.parametrize("text,value", [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+                                        ("1000", 1000), ("0", 0)])
+def test_byte_sizes(text, value):
+    from slotinfer.cli.common import byte_size
+
+    assert byte_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "2 parsecs", "nan", "inf"])
+def test_bad_byte_sizes_are_usage_errors(text):
+    import argparse
+
+    from slotinfer.cli.common import byte_size
+
+    with pytest.raises(argparse.ArgumentTypeError, match="size"):
+        byte_size(text)

@@ -74,12 +74,14 @@ def prompts_of(model, n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def engine_tokens_per_s(model, slots: int, prompt_tokens: int, gen_tokens: int, *, max_len=None) -> dict:
-    """Run ``slots`` requests to completion on an Inferencer; aggregate and decode-only tokens/s."""
+def engine_tokens_per_s(model, slots: int, prompt_tokens: int, gen_tokens: int, *, max_len=None, **engine) -> dict:
+    """Run ``slots`` requests to completion on an Inferencer (``engine``: more of its arguments);
+    aggregate and decode-only tokens/s."""
     prompts = prompts_of(model, slots, prompt_tokens, seed=slots)
     with slotinfer.Inferencer(model, slots=slots, max_len=max_len or prompt_tokens + gen_tokens + 8,
-                              prefill_tokens=max(512, prompt_tokens * slots)) as inf:
-        inf.generate(prompts[0], max_tokens=4, ignore_eos=True)  # compile the step outside the timing
+                              prefill_tokens=max(512, prompt_tokens * slots), **engine) as inf:
+        warm = prompts_of(model, 1, prompt_tokens, seed=-slots)[0]  # a prompt of its own: no prefix cache hit later
+        inf.generate(warm, max_tokens=4, ignore_eos=True)  # compile the step outside the timing
         t0 = time.perf_counter()
         handles = [inf.submit(p, max_tokens=gen_tokens, ignore_eos=True) for p in prompts]
         results = [h.result() for h in handles]

@@ -86,20 +86,24 @@ async def drive_http(url: str, model: str | None, prompts, gen_tokens: int) -> d
             body["model"] = model
         t0 = time.perf_counter()
         stamps, used = [], None
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:  # a token's chunk
-                    stamps.append(time.perf_counter())
-                used = chunk.get("usage") or used
+        async for chunk in stream_chunks(client, url + "/v1/completions", body):
+            if chunk.get("choices") and chunk["choices"][0].get("finish_reason") is None:  # a token's chunk
+                stamps.append(time.perf_counter())
+            used = chunk.get("usage") or used
         return _row(t0, stamps, used["completion_tokens"] if used else len(stamps))
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
         return await _closed_loop(prompts, lambda ids: one(client, ids))
+
+
+async def stream_chunks(client, url: str, body: dict):
+    """The JSON chunks of a streamed (server-sent events) response to ``body`` posted to ``url``."""
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url} answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                yield json.loads(line[6:])
 
 
 async def drive_inferencer(inf, prompts, gen_tokens: int) -> dict:
@@ -136,9 +140,10 @@ async def _closed_loop(prompts, one) -> dict:
 class ServerProcess:
     """``slotinfer serve`` in a child process, on a free port of 127.0.0.1."""
 
-    def __init__(self, model_path, slots: int, max_len: int):
+    def __init__(self, model_path, slots: int, max_len: int, extra=()):
         cmd = [sys.executable, "-m", "slotinfer", "serve", str(model_path), "--port", "0", "--slots", str(slots),
-               "--max-len", str(max_len), "--max-queue", "0", "--served-model-name", "bench", "--log-level", "warning"]
+               "--max-len", str(max_len), "--max-queue", "0", "--served-model-name", "bench", "--log-level", "warning",
+               *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.url = None

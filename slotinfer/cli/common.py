@@ -18,6 +18,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000**4, "tb": 1000**4}
+
+
+def byte_size(text: str) -> int:
+    """argparse ``type`` of a size in bytes: ``2GiB``, ``512MiB``, ``1.5GB``, ``1000000`` (>= 0)."""
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1000000, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a size >= 0, got {text!r}")
+    return int(value)
+
+
 def stdout_closed() -> int:
     """stdout's reader went away (``| head``): stop writing and exit 1 without a traceback.
 

@@ -12,7 +12,7 @@ DEFAULT_MAX_LEN = 2048
 
 def add_parser(sub):
     from .. import settings
-    from .common import positive_int
+    from .common import byte_size, positive_int
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)")
     p.add_argument("model", help="a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)")
@@ -21,6 +21,12 @@ def add_parser(sub):
     p.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
     p.add_argument("--max-len", type=positive_int, default=None,
                    help="tokens per slot, prompt and output (default 2048, or the model's context if shorter)")
+    p.add_argument("--prefix-cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="the prefix cache's budget, e.g. 1GiB (default: an eighth of the memory, at most 4 GiB; "
+                        "docs/prefix-cache.md)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="keep no K/V across requests")
+    p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="the dtype K/V are kept in (default: the model's compute dtype); float16 halves their memory")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; past it a request gets 429 (0: unbounded)")
     p.add_argument("--api-key", default=settings.api_key(),
@@ -58,7 +64,9 @@ def run(args) -> int:
         print(f"slotinfer: error: --max-len {args.max_len} is beyond the model's context of {model.context_length} "
               f"tokens; give at most {model.context_length}", file=sys.stderr)
         return 2
-    inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue)
+    inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
+                               prefix_cache_bytes=0 if args.no_prefix_cache else args.prefix_cache_bytes,
+                               kv_dtype=args.kv_dtype)
     try:
         app = build_app(inf, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)

@@ -250,7 +250,7 @@ class _Server:
             self.metrics.outcome(endpoint, "cancelled")
             return cut_short().response()
         self.metrics.outcome(endpoint, "ok")
-        used = usage(prompt_tokens, sum(len(c.tokens) for c in results))
+        used = usage(prompt_tokens, sum(len(c.tokens) for c in results), _cached(req, results))
         return JSONResponse(shaper.completion([(i, c, req.logprobs) for i, c in enumerate(results)], used))
 
     async def _drain(self, handle, timer):
@@ -297,7 +297,8 @@ class _Server:
             else:
                 outcome = "ok"
                 if req.include_usage:
-                    yield shaper.usage_chunk(usage(prompt_tokens, generated))
+                    yield shaper.usage_chunk(usage(prompt_tokens, generated,
+                                                   _cached(req, [h.result() for h in handles])))
             yield DONE
         finally:
             for h in handles:
@@ -427,3 +428,9 @@ class _Server:
 
     async def _json(self, request: Request) -> dict:
         return await read_json(request, self.max_body, self.read_timeout)
+
+
+def _cached(req, results) -> int:
+    """Prompt tokens served from the prefix cache, counted once per prompt as usage counts the prompt
+    (the first of its ``n`` choices; results are prompt-major)."""
+    return sum(c.cached_tokens for c in results[:: req.n])

@@ -6,6 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -20,6 +21,7 @@ class Metrics:
               registry=r).set_function(stat("prefill_tokens_per_s"))
         Gauge("slotinfer_decode_tokens_per_second", "Decode tokens/s since start (time in engine steps only)",
               registry=r).set_function(stat("decode_tokens_per_s"))
+        r.register(PrefixCacheCollector(inferencer))
         self.requests = Counter("slotinfer_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("slotinfer_prompt_tokens", "Prompt tokens taken", registry=r)
@@ -34,6 +36,36 @@ class Metrics:
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class PrefixCacheCollector:
+    """The prefix cache's counters and size, read from the Inferencer's stats at scrape time."""
+
+    COUNTERS = {"queries": "Prompts looked up in the prefix cache",
+                "hits": "Prompts that found a cached prefix",
+                "query_tokens": "Prompt tokens looked up",
+                "hit_tokens": "Prompt tokens whose K/V came from the cache",
+                "inserted_blocks": "Blocks written into the cache",
+                "evictions": "Blocks evicted to stay within the budget"}
+    GAUGES = {"bytes": "Bytes the cache holds", "budget_bytes": "The cache's byte budget",
+              "blocks": "Blocks the cache holds"}
+
+    def __init__(self, inferencer):
+        self.inferencer = inferencer
+
+    def describe(self):
+        return []  # collected at scrape time only
+
+    def collect(self):
+        st = self.inferencer.stats().get("prefix_cache") or {}
+        for key, text in self.COUNTERS.items():
+            c = CounterMetricFamily(f"slotinfer_prefix_cache_{key}", text)
+            c.add_metric([], st.get(key, 0))
+            yield c
+        for key, text in self.GAUGES.items():
+            g = GaugeMetricFamily(f"slotinfer_prefix_cache_{key}", text)
+            g.add_metric([], st.get(key, 0))
+            yield g
 
 
 class Timer:

@@ -26,7 +26,7 @@ _NOTHING_HERE = ("user", "service_tier", "store", "metadata", "parallel_tool_cal
                  "safety_identifier")
 _SHARED = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
            "frequency_penalty", "presence_penalty", "logit_bias", *_NOTHING_HERE,
-           "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids")
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt")
 COMPLETION_FIELDS = ("prompt", *_SHARED, "logprobs", "echo", "suffix", "best_of")
 CHAT_FIELDS = ("messages", *_SHARED, "logprobs", "top_logprobs", "response_format",
                "tools", "tool_choice", "functions", "function_call")
@@ -102,7 +102,7 @@ def _bool(body, name, default=False):
 def _passed_on(body, params: dict):
     """The parameters Inferencer.submit takes as they are, checked by its own table
     (:mod:`slotinfer.request`) and refused here by name; the vocabulary bounds wait for submit."""
-    for name in (*request.SAMPLING, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens"):
+    for name in (*request.SAMPLING, "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "cache_salt"):
         if body.get(name) is None:
             continue
         params[name] = _checked(name, body[name])
