@@ -2,13 +2,15 @@
 
     python benchmarks/soak_serve.py --requests 3000                 # the tiny test model
     python benchmarks/soak_serve.py --model path/to/model.gguf --requests 2000
+    python benchmarks/soak_serve.py --requests 3000 -- --no-prefix-cache    # flags of slotinfer serve
 
 Starts the server in a child process and sends it ``--requests`` requests, ``--clients`` at a
 time: completions and chats, whole and streamed (a fifth of the streams dropped after their first
 chunk), varied ``n``, ``logprobs`` and sampling, small classifies, invalid bodies (unknown fields,
 out-of-range values, JSON that does not parse), and every 500th request (``--huge-every``) a
 prompt of 4 MB.
-Prints the server's RSS every tenth of the run; docs/robustness.md has the figures.
+Prints the server's RSS (and its prefix cache's bytes) every tenth of the run; docs/robustness.md
+has the figures.
 """
 
 import argparse
@@ -28,6 +30,13 @@ WORDS = "the cat sat on a mat while rain fell over quiet hills and old roads".sp
 
 def rss_mib(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())[1]) / 1024
+
+
+def report(url: str, pid: int, at: str):
+    """The server's RSS, and the K/V its prefix cache holds (a part of it, bounded by its budget)."""
+    m = re.search(r"^slotinfer_prefix_cache_bytes (\S+)", httpx.get(url + "/metrics").text, re.M)
+    cache = f"  prefix cache {float(m[1]) / 2**20:7.1f} MiB" if m else ""
+    print(f"{at:>7} requests  server RSS {rss_mib(pid):8.1f} MiB{cache}", flush=True)
 
 
 def request(rng: random.Random, i: int, huge_every: int) -> tuple[str, object, str]:
@@ -77,11 +86,11 @@ async def soak(url: str, pid: int, n: int, clients: int, seed: int, huge_every: 
     for i in range(n):
         await jobs.put(request(rng, i, huge_every))
         if (i + 1) % max(1, n // 10) == 0:
-            print(f"{i + 1:>7} requests  server RSS {rss_mib(pid):8.1f} MiB", flush=True)
+            report(url, pid, str(i + 1))
     for _ in workers:
         await jobs.put(None)
     await asyncio.gather(*workers)
-    print(f"{'end':>7}           server RSS {rss_mib(pid):8.1f} MiB", flush=True)
+    report(url, pid, "end")
     print("answers: " + ", ".join(f"{k} {s}: {v}" for (k, s), v in sorted(counts.items())))
 
 
@@ -92,11 +101,12 @@ def main():
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--huge-every", type=int, default=500, help="a prompt of 4 MB every N requests (0: none)")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: more flags of slotinfer serve")
     args = p.parse_args()
     model = args.model or str(soak_model_path())
     proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", model, "--port", "0", "--slots", "8",
                              "--max-len", "512", "--max-queue", "0", "--max-body-bytes", str(16 << 20),
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--log-level", "warning", *[a for a in args.serve_args if a != "--"]], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = next(m.group(1) for line in proc.stderr if (m := re.search(r"running on (http://[\d.:]+)", line)))
         print(f"soak: {args.requests} mixed requests, {args.clients} at a time, through {url} ({model}); "
