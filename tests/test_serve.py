@@ -338,6 +338,11 @@ def test_the_default_served_name_is_clean(path, name):
     assert default_name(Path(path)) == name
 
 
+def test_max_completion_tokens_is_taken_by_both_endpoints(client):
+    r = client.completions.create(model=NAME, prompt="hi", extra_body={"max_completion_tokens": 3, "ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+
+
 def test_cached_tokens_are_reported_and_exported(client, server, model):
     """A repeated system prompt hits the prefix cache: usage says how many prompt tokens it served,
     streamed or not, the metrics count the hits, and a different cache_salt shares nothing."""

@@ -4,6 +4,9 @@ HTTP is a thin shell over the Inferencer's own machinery: a request becomes one
 ``submit`` per choice (never blocking: a full admission queue is a 429 at once), its
 tokens arrive through the handle's asyncio stream, and a client that goes away
 cancels its handles, which frees their slots at the engine's next step.
+
+Why one module: every route reads the one ``_Server`` (the Inferencer, the metrics, the
+limits, the classifier's thread and the shutdown flag) and refuses a request one way.
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 # The fields each endpoint takes (docs/serve.md): OpenAI's, then slotinfer's extensions.
 _NOTHING_HERE = ("user", "service_tier", "store", "metadata", "parallel_tool_calls", "prompt_cache_key",
                  "safety_identifier")
-_SHARED = ("model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-           "frequency_penalty", "presence_penalty", "logit_bias", *_NOTHING_HERE,
+_SHARED = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+           "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", *_NOTHING_HERE,
            "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt")
 COMPLETION_FIELDS = ("prompt", *_SHARED, "logprobs", "echo", "suffix", "best_of")
-CHAT_FIELDS = ("messages", *_SHARED, "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+CHAT_FIELDS = ("messages", *_SHARED, "logprobs", "top_logprobs", "response_format",
                "tools", "tool_choice", "functions", "function_call")
 CLASSIFY_FIELDS = ("model", "input", "labels", "prefix", "label_prefix", "user")
 
