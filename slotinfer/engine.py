@@ -134,10 +134,12 @@ class Engine:
         ids = model.encode_prompt(prompt)
         budget = min(p["max_tokens"], model.context_length - len(ids))
         if len(ids) + budget > self.max_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: {len(ids) + budget} > the "
-                f"engine's max_len {self.max_len}; shorten the prompt, lower max_tokens or raise max_len"
-            )
+            e = PromptTooLongError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: "
+                f"{len(ids) + p['max_tokens']} > the engine's max_len {self.max_len}; shorten the prompt, lower "
+                f"max_tokens (to at most {max(self.max_len - len(ids), 0)}) or raise max_len")
+            e.param = "max_tokens"
+            raise e
         sampling = SamplingParams(*(p[k] for k in request.SAMPLING))
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
         top = p["top_logprobs"]

@@ -117,8 +117,12 @@ def test_a_slot_left_idle_never_poisons_its_next_occupant(models, family, max_le
 def test_max_len_is_validated_at_submit(models):
     m = models["qwen3"]
     with slotinfer.Inferencer(m, slots=1, max_len=16) as inf:
-        with pytest.raises(PromptTooLongError, match="max_len"):
+        with pytest.raises(PromptTooLongError, match="max_len") as e:
             inf.submit(PROMPTS[1], max_tokens=4)
+        n = len(m.encode_prompt(PROMPTS[1]))
+        assert f"max_tokens is 4: {n + 4} > the engine's max_len 16" in str(e.value) and e.value.param == "max_tokens"
+        with pytest.raises(PromptTooLongError, match="max_tokens is 1000000: ") as e:  # the figure asked for, not a clamp
+            inf.submit("hi", max_tokens=1_000_000)
         with pytest.raises(InvalidRequestError, match="max_tokens"):
             inf.submit("hi", max_tokens=0)
         with pytest.raises(InvalidRequestError, match="temperature"):
