@@ -157,6 +157,11 @@ class Inferencer:
         if start:
             self.start()
 
+    @property
+    def max_queue(self) -> int:
+        """How many requests may wait for a slot (0: unbounded)."""
+        return self._max_queue
+
     # -- lifecycle --------------------------------------------------------------
 
     def start(self):

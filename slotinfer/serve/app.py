@@ -157,8 +157,8 @@ class _Server:
     def _check_fits(self, req: GenerateRequest):
         """400 for a request with more rows than the slots and the queue bound hold together: a 429 would
         have its client retry forever."""
-        bound, slots = self.inf._max_queue, self.inf.engine.slots
-        rows, most = len(req.prompts) * req.n, slots + self.inf._max_queue
+        bound, slots = self.inf.max_queue, self.inf.engine.slots
+        rows, most = len(req.prompts) * req.n, slots + self.inf.max_queue
         if bound and rows > most:
             param = "prompt" if len(req.prompts) > most else "n"
             what = f"{len(req.prompts)} prompts x n={req.n}" if len(req.prompts) > 1 else f"n={req.n}"
@@ -169,7 +169,7 @@ class _Server:
         """Wait, briefly, while the queue bound is full of rows that free slots await (those this request
         submitted a moment ago, until the worker's next turn moves them), so that a request that fits the
         server is taken whole.  With no room to come, return at once: the submit that follows is a 429."""
-        bound, slots = self.inf._max_queue, self.inf.engine.slots
+        bound, slots = self.inf.max_queue, self.inf.engine.slots
         pause, deadline = 0.001, time.monotonic() + 1.0
         while bound and time.monotonic() < deadline:
             s = self.inf.stats()
@@ -318,7 +318,7 @@ class _Server:
             self._authorize(request)
             req = parse_classify(await self._json(request), self.classify_limits)
             self._check_model(req.model)
-            bound = self.inf._max_queue  # classify waits in its own line, as long as the engine's (0: unbounded)
+            bound = self.inf.max_queue  # classify waits in its own line, as long as the engine's (0: unbounded)
             if bound and self._classify_pending >= bound:
                 raise APIError(429, f"{bound} classification requests are already waiting; retry later",
                                type="rate_limit_error", code="rate_limit_exceeded",
