@@ -36,7 +36,7 @@ def agreement(model, dtype) -> list[list[int]]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="model folder, GGUF file or hub id (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     model = slotinfer.load(args.model or default_model.path())
