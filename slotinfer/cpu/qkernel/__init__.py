@@ -9,14 +9,15 @@ for what they measure.  Not part of the install and not used by the model yet: b
 
 from __future__ import annotations
 
+import importlib
+
 qlinear = None
 module = None
 error: str | None = None
 try:
     import mlx.core  # noqa: F401  (the extension binds mlx.core's types)
 
-    from . import _qkernel as module
-
+    module = importlib.import_module(__name__ + "._qkernel")
     qlinear = module.qlinear
 except ImportError as e:  # not built, or built against another mlx
     error = str(e)
