@@ -28,7 +28,9 @@ namespace qk {
 enum class Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
 
 constexpr int BLOCK = 32;
-constexpr int ROW_CHUNK = 64;  // rows whose accumulators a column tile keeps at once
+constexpr int ROW_CHUNK = 32;  // rows whose accumulators a column group keeps at once
+constexpr int GROUP = 8;       // columns a thread's share and the AVX2 loops go in
+constexpr int K_CHUNK = 4;     // blocks of k a column group takes at a time
 
 inline int block_bytes(Format f) {
   switch (f) {
@@ -65,6 +67,18 @@ inline float half_to_float(const uint8_t* p) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+// The loops below take x packed by pack_rows: rows [r0, r1) block by block, each block's rows
+// side by side ([k / 32][r1 - r0][32]), so the rows a decoded block meets are contiguous.  Rows
+// read in place would sit k floats apart, and with k a multiple of 1024 every row falls in the
+// same L1 cache set.
+inline void pack_rows(const float* x, int k, int r0, int r1, float* xp) {
+  const int nb = k / BLOCK, rows = r1 - r0;
+  for (int r = r0; r < r1; ++r)
+    for (int b = 0; b < nb; ++b)
+      std::memcpy(xp + ((size_t)b * rows + (r - r0)) * BLOCK, x + (size_t)r * k + (size_t)b * BLOCK,
+                  BLOCK * sizeof(float));
 }
 
 // ---------------------------------------------------------------- portable loops
@@ -108,7 +122,7 @@ inline void columns_portable(Format f, const float* x, const uint8_t* W, float* 
     for (int b = 0; b < nb; ++b) {
       decode_portable(f, row + (size_t)b * bb, w);
       for (int r = r0; r < r1; ++r) {
-        const float* xr = x + (size_t)r * k + (size_t)b * BLOCK;
+        const float* xr = x + ((size_t)b * (r1 - r0) + (r - r0)) * BLOCK;
         float* a = acc.data() + (size_t)(r - r0) * 8;
         for (int s = 0; s < 4; ++s)
           for (int l = 0; l < 8; ++l) a[l] += w[8 * s + l] * xr[8 * s + l];
@@ -145,10 +159,13 @@ QK_AVX2 inline void decode_avx2(const uint8_t* blk, __m256* w) {
     __m128i lo = _mm_and_si128(bytes, low4);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
     __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    if constexpr (F == Format::Q4_0) {
-      const __m256 eight = _mm256_set1_ps(8.0f);
-      for (int s = 0; s < 4; ++s)
-        w[s] = _mm256_mul_ps(d, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[s])), eight));
+    if constexpr (F == Format::Q4_0) {  // q - 8 in bytes, then signed widening: the same values
+      const __m128i eight = _mm_set1_epi8(8);
+      for (int s = 0; s < 4; s += 2) {
+        __m128i centred = _mm_sub_epi8(parts[s], eight);
+        w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(centred)));
+        w[s + 1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(centred, 8))));
+      }
     } else {
       const __m256 m = avx2_scale(blk + 2);
       for (int s = 0; s < 4; ++s)
@@ -164,42 +181,75 @@ QK_AVX2 inline float avx2_reduce(__m256 v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l
   return _mm_cvtss_f32(u);
 }
 
-// NC weight rows at a time, every row of [r0, r1) against each decoded block.
+// NC weight rows at a time, every row of [r0, r1) against each decoded block.  The columns go
+// in groups of GROUP and k in chunks of K_CHUNK blocks, so that the chunk of x the group reuses
+// stays in L1; each accumulator still takes its blocks in order.
+
 template <Format F, int NC>
 QK_AVX2 void columns_avx2_tile(const float* x, const uint8_t* W, float* out, int k, int n, int r0, int r1,
                                int j0, int j1, __m256* acc) {
+  static_assert(GROUP % NC == 0);
   const int nb = k / BLOCK, bb = block_bytes(F), rows = r1 - r0;
   const size_t row_bytes = (size_t)nb * bb;
-  int j = j0;
-  for (; j + NC <= j1; j += NC) {
-    for (int i = 0; i < rows * NC; ++i) acc[i] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-      __m256 w[NC][4];
-      for (int c = 0; c < NC; ++c) decode_avx2<F>(W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
-      const float* xb = x + (size_t)r0 * k + (size_t)b * BLOCK;
-      for (int r = 0; r < rows; ++r, xb += k) {
-        __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
-        __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-        for (int c = 0; c < NC; ++c) {
-          __m256 a = acc[r * NC + c];
-          a = _mm256_fmadd_ps(w[c][0], x0, a);
-          a = _mm256_fmadd_ps(w[c][1], x1, a);
-          a = _mm256_fmadd_ps(w[c][2], x2, a);
-          a = _mm256_fmadd_ps(w[c][3], x3, a);
-          acc[r * NC + c] = a;
+  int g = j0;
+  for (; g + GROUP <= j1; g += GROUP) {
+    for (int i = 0; i < rows * GROUP; ++i) acc[i] = _mm256_setzero_ps();
+    const int chunk = rows <= 2 ? nb : K_CHUNK;  // a row or two of x stays in L1 whole
+    for (int b0 = 0; b0 < nb; b0 += chunk) {
+      const int b1 = b0 + chunk < nb ? b0 + chunk : nb;
+      for (int j = g; j < g + GROUP; j += NC) {
+        __m256* a_j = acc + (j - g);
+        for (int b = b0; b < b1; ++b) {
+          __m256 w[NC][4];
+          for (int c = 0; c < NC; ++c) decode_avx2<F>(W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
+          const float* xb = x + (size_t)b * rows * BLOCK;
+          for (int r = 0; r < rows; ++r, xb += BLOCK) {
+            __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+            __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+            for (int c = 0; c < NC; ++c) {
+              __m256 a = a_j[r * GROUP + c];
+              a = _mm256_fmadd_ps(w[c][0], x0, a);
+              a = _mm256_fmadd_ps(w[c][1], x1, a);
+              a = _mm256_fmadd_ps(w[c][2], x2, a);
+              a = _mm256_fmadd_ps(w[c][3], x3, a);
+              a_j[r * GROUP + c] = a;
+            }
+          }
         }
       }
     }
     for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < NC; ++c) out[(size_t)(r0 + r) * n + j + c] = avx2_reduce(acc[r * NC + c]);
+      for (int c = 0; c < GROUP; ++c) out[(size_t)(r0 + r) * n + g + c] = avx2_reduce(acc[r * GROUP + c]);
   }
-  if (j < j1) columns_avx2_tile<F, 1>(x, W, out, k, n, r0, r1, j, j1, acc);
+  if (g < j1) {  // the last columns, one at a time, in the same order
+    if constexpr (NC == 1) {
+      for (int j = g; j < j1; ++j) {
+        for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+          __m256 w[4];
+          decode_avx2<F>(W + j * row_bytes + (size_t)b * bb, w);
+          const float* xb = x + (size_t)b * rows * BLOCK;
+          for (int r = 0; r < rows; ++r, xb += BLOCK) {
+            __m256 a = acc[r];
+            a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a);
+            a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a);
+            a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a);
+            a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a);
+            acc[r] = a;
+          }
+        }
+        for (int r = 0; r < rows; ++r) out[(size_t)(r0 + r) * n + j] = avx2_reduce(acc[r]);
+      }
+    } else {
+      columns_avx2_tile<F, 1>(x, W, out, k, n, r0, r1, g, j1, acc);
+    }
+  }
 }
 
 template <Format F>
 QK_AVX2 void columns_avx2(const float* x, const uint8_t* W, float* out, int k, int n, int r0, int r1,
                           int j0, int j1) {
-  alignas(32) __m256 acc[ROW_CHUNK * 4];
+  alignas(32) __m256 acc[ROW_CHUNK * GROUP];
   // Few rows: more weight rows in flight hide the multiply-add latency of each chain.
   if (r1 - r0 <= 2)
     columns_avx2_tile<F, 4>(x, W, out, k, n, r0, r1, j0, j1, acc);

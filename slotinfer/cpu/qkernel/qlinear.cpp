@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -30,22 +31,21 @@ qk::Format parse_format(const std::string& name) {
   throw std::invalid_argument("format must be q8_0, q4_0 or q4_1, got " + name);
 }
 
-// Split the columns over the threads in whole tiles of 4 (a thread never splits a sum).
+// Split the columns over the threads in whole groups of 8 (a thread never splits a sum).
 void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int k, int n) {
   int threads = g_threads > 0 ? g_threads : omp_get_max_threads();
-  int tiles = (n + 3) / 4;
-  threads = std::max(1, std::min(threads, tiles));
-  if (threads == 1) {
-    for (int r0 = 0; r0 < m; r0 += qk::ROW_CHUNK)
-      qk::columns(f, x, W, out, k, n, r0, std::min(m, r0 + qk::ROW_CHUNK), 0, n);
-    return;
-  }
-#pragma omp parallel num_threads(threads)
+  int groups = (n + qk::GROUP - 1) / qk::GROUP;
+  threads = std::max(1, std::min(threads, groups));
+  std::vector<float> xp((size_t)m * k);
+  for (int r0 = 0; r0 < m; r0 += qk::ROW_CHUNK)
+    qk::pack_rows(x, k, r0, std::min(m, r0 + qk::ROW_CHUNK), xp.data() + (size_t)r0 * k);
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
     int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int j0 = std::min(n, (int)((long)tiles * t / T) * 4), j1 = std::min(n, (int)((long)tiles * (t + 1) / T) * 4);
-    for (int r0 = 0; r0 < m; r0 += qk::ROW_CHUNK)
-      if (j0 < j1) qk::columns(f, x, W, out, k, n, r0, std::min(m, r0 + qk::ROW_CHUNK), j0, j1);
+    int j0 = std::min(n, (int)((long)groups * t / T) * qk::GROUP);
+    int j1 = std::min(n, (int)((long)groups * (t + 1) / T) * qk::GROUP);
+    for (int r0 = 0; r0 < m && j0 < j1; r0 += qk::ROW_CHUNK)
+      qk::columns(f, xp.data() + (size_t)r0 * k, W, out, k, n, r0, std::min(m, r0 + qk::ROW_CHUNK), j0, j1);
   }
 }
 
