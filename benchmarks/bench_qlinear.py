@@ -20,8 +20,8 @@ plus scales/biases).  Correctness: before timing, each kernel's product is compa
 dequantize-then-matmul of the same blocks (``gguf.quants.dequantize``, the GGUF reference, or
 MLX's affine formula) in float64, and the largest relative error is printed.
 
-    PYTHONPATH=. python benchmarks/bench_qlinear.py
-    PYTHONPATH=. python benchmarks/bench_qlinear.py --rows 1 --models qwen3 --rounds 9
+    python benchmarks/bench_qlinear.py --threads 1
+    python benchmarks/bench_qlinear.py --threads 1 --rows 1 --clock cpu   # CPU time, one core
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ MODELS = {
 }
 MLX_QUANT = [(4, 32), (4, 64), (8, 32), (8, 64)]
 OWN = ["q8_0", "q4_0", "q4_1"]
+CLOCK = time.perf_counter  # --clock cpu: this process's CPU time
 
 
 class Variant:
@@ -66,9 +67,9 @@ class Variant:
         for _ in range(calls):
             outs.append(self.product(x, self.copies[self.cursor]))
             self.cursor = (self.cursor + 1) % len(self.copies)
-        t = time.perf_counter()
+        t = CLOCK()
         mx.eval(outs)
-        return (time.perf_counter() - t) / calls
+        return (CLOCK() - t) / calls
 
 
 def n_copies(nbytes, budget):
@@ -154,9 +155,15 @@ def main():
     ap.add_argument("--calls", type=int, default=8, help="products per variant per round (1 row); 4 above")
     ap.add_argument("--budget-mib", type=int, default=64, help="weight copies each variant cycles through")
     ap.add_argument("--threads", type=int, help="BLAS and own-kernel threads (default: the BLAS's)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: the process's CPU time (with --threads 1: each kernel's cost on one core, "
+                         "less sensitive to other jobs on a shared machine than wall time)")
     ap.add_argument("--no-own", action="store_true", help="leave out slotinfer's own kernel")
     args = ap.parse_args()
     own = qkernel.qlinear is not None and not args.no_own
+    if args.clock == "cpu":
+        global CLOCK
+        CLOCK = time.process_time
     if qkernel.qlinear is None:
         print(f"own kernel not built ({qkernel.error}); build it with sh slotinfer/cpu/qkernel/build.sh")
     elif quants is None:
@@ -187,6 +194,10 @@ def main():
     print_tables(results)
 
 
+def cell(text):  # a markdown table cell: "q|k|v" would split into three
+    return text.replace("|", "\\|")
+
+
 def print_tables(results):
     names = list(results[0][5])
     print("\nms per call (ratio: f32 time / this time, median of per-round ratios)\n")
@@ -194,7 +205,7 @@ def print_tables(results):
     print("|---|---|---|---|" + "---|" * len(names))
     for model, layer, n, k, m, med, rat, _ in results:
         cells = [f"{med[nm] * 1e3:.3f}" + ("" if nm == "f32" else f" ({rat[nm]:.2f}x)") for nm in names]
-        print(f"| {model} | {layer} | {n}x{k} | {m} | " + " | ".join(cells) + " |")
+        print(f"| {model} | {cell(layer)} | {n}x{k} | {m} | " + " | ".join(cells) + " |")
     one = [r for r in results if r[4] == 1]
     if not one:
         return
@@ -203,7 +214,7 @@ def print_tables(results):
     print("| model | layer | " + " | ".join(f"{nm} ({bits[nm]:.2g} b)" for nm in names) + " |")
     print("|---|---|" + "---|" * len(names))
     for model, layer, n, k, m, med, rat, nbytes in one:
-        print(f"| {model} | {layer} | " + " | ".join(f"{nbytes[nm] / med[nm] / 1e9:.1f}" for nm in names) + " |")
+        print(f"| {model} | {cell(layer)} | " + " | ".join(f"{nbytes[nm] / med[nm] / 1e9:.1f}" for nm in names) + " |")
 
 
 if __name__ == "__main__":
