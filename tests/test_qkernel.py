@@ -1,0 +1,102 @@
+"""The quantized-linear prototype (slotinfer/cpu/qkernel) against the GGUF reference.
+
+Skipped unless the extension was built (``sh slotinfer/cpu/qkernel/build.sh .venv/bin/python``):
+it is not part of the install yet.  Both kernel sets are held to the same properties: the AVX2 one
+this CPU runs where it can, and the portable one (``set_portable``).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import slotinfer  # noqa: F401  (first: the BLAS before mlx.core)
+import mlx.core as mx
+from slotinfer.cpu import qkernel
+
+gguf = pytest.importorskip("gguf")
+if qkernel.qlinear is None:
+    pytest.skip(f"the qkernel extension is not built ({qkernel.error})", allow_module_level=True)
+
+FORMATS = list(qkernel.FORMATS)  # GGUF type names
+KERNELS = ["native", "portable"]
+
+
+@pytest.fixture(params=KERNELS)
+def kernels(request):
+    qkernel.module.set_portable(request.param == "portable")
+    yield request.param
+    qkernel.module.set_portable(False)
+
+
+def blocks(qtype, n, k, seed):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, size=(n, 1))).astype(np.float32)
+    b = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    return b, gguf.quants.dequantize(b, gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+
+
+def qlinear(x, b, qtype):
+    return np.array(qkernel.qlinear(mx.array(x), mx.array(b), qkernel.FORMATS[qtype]))
+
+
+@given(qtype=st.sampled_from(FORMATS), n=st.integers(1, 70), k_blocks=st.integers(1, 12),
+       m=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
+    """Within float32 summation error of numpy's product of the GGUF reference's dequantized weights."""
+    k = 32 * k_blocks
+    b, wd = blocks(qtype, n, k, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32)
+    out = qlinear(x, b, qtype)
+    ref = x.astype(np.float64) @ wd.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(wd).T  # what the sum's rounding error is relative to
+    assert out.shape == (m, n) and out.dtype == np.float32
+    assert np.all(np.abs(out - ref) <= 1e-6 * k * scale + 1e-30)
+
+
+@given(qtype=st.sampled_from(FORMATS), m=st.integers(2, 80), seed=st.integers(0, 2**16),
+       threads=st.sampled_from([1, 2, 3]))
+def test_batch_invariant(kernels, qtype, m, seed, threads):
+    """A row's result is bit-identical whatever the number of rows, their values, and the thread count."""
+    n, k = 37, 160
+    b, _ = blocks(qtype, n, k, seed)
+    rng = np.random.default_rng(seed + 1)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    qkernel.module.set_threads(threads)
+    try:
+        together = qlinear(x, b, qtype)
+        qkernel.module.set_threads(1)
+        alone = np.concatenate([qlinear(x[i:i + 1], b, qtype) for i in range(m)])
+        others = rng.standard_normal((m, k)).astype(np.float32) * 1e3
+        others[m // 2] = x[m // 2]
+        beside = qlinear(others, b, qtype)[m // 2]
+    finally:
+        qkernel.module.set_threads(0)
+    assert np.array_equal(together, alone)
+    assert np.array_equal(beside, alone[m // 2])
+
+
+def test_in_a_compiled_graph_with_leading_axes():
+    """The primitive runs inside mx.compile, on [batch, seq, k] activations, like the model's linears."""
+    b, wd = blocks("Q4_1", 48, 64, 0)
+    wb = mx.array(b)
+    x = np.random.default_rng(2).standard_normal((2, 3, 64)).astype(np.float32)
+
+    @mx.compile
+    def layer(x):
+        return qkernel.qlinear(x * 2.0, wb, "q4_1") + 1.0
+
+    out = np.array(layer(mx.array(x)))
+    ref = (2.0 * x.astype(np.float64)) @ wd.T + 1.0
+    assert out.shape == (2, 3, 48)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_rejects_what_it_cannot_compute():
+    b, _ = blocks("Q8_0", 4, 64, 0)
+    with pytest.raises(ValueError):
+        qkernel.qlinear(mx.zeros((1, 64)), mx.array(b), "q5_0")
+    with pytest.raises(ValueError):  # k does not match the blocks
+        qkernel.qlinear(mx.zeros((1, 96)), mx.array(b), "q8_0")
+    with pytest.raises(ValueError):
+        qkernel.qlinear(mx.zeros((1, 64), dtype=mx.float16), mx.array(b), "q8_0")
