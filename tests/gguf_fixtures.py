@@ -283,8 +283,8 @@ def q6_k(w: np.ndarray) -> np.ndarray:
     ql = (q[:, :, :64] & 0xF) | (q[:, :, 64:] & 0xF) << 4
     hi = (q >> 4).reshape(-1, 2, 4, 32)
     qh = hi[:, :, 0] | hi[:, :, 1] << 2 | hi[:, :, 2] << 4 | hi[:, :, 3] << 6
-    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)],
-                            axis=1)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                             d.view(np.uint8).reshape(-1, 2)], axis=1)
     return blocks.reshape(w.shape[0], -1)
 
 
@@ -322,7 +322,8 @@ def requantize(src: Path, out: Path, qtype) -> Path:
 
 
 def encode(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
-    """``w`` as ``qtype`` blocks (uint8 rows): random blocks for the types gguf only dequantizes, else gguf's quantizer."""
+    """``w`` as ``qtype`` blocks (uint8 rows): random blocks for the types gguf only dequantizes, else
+    gguf's quantizer."""
     return random_blocks(w, qtype, rng) if qtype in SCALE_FIELDS else gguf.quants.quantize(w, qtype)
 
 
