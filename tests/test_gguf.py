@@ -8,6 +8,7 @@ out; the real SmolLM2-135M-Instruct GGUF is tested when its wheel is installed.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import shutil
 import sys
 from pathlib import Path
@@ -202,6 +203,20 @@ def test_llama_cpp_q4_k_m_mix_loads_and_generates(kfiles, family):
 def test_any_type_and_blocks_load_as_gguf_reads_them(kfiles, family, qtype, seed):
     _, path, reference = kfiles(family, qtype, "mixed" if qtype == "Q4_K_M" else "k", seed)
     assert_same_weights(slotinfer.load(path), slotinfer.load(reference))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_K_M"])
+def test_a_load_holds_the_weights_plus_about_one_tensor(kfiles, qtype):
+    """Tensors are dequantized one at a time and each layer's fused projections are made before the next
+    layer's: MLX's peak over the load stays within the float32 weights plus their largest tensor (a
+    loader holding two copies while it fuses would need twice the weights)."""
+    _, path, _ = kfiles("qwen3", qtype, dims="k" if qtype == "Q4_K" else "mixed")
+    gc.collect()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    model = slotinfer.load(path)
+    sizes = [w.nbytes for w in parameters(model).values()]
+    assert mx.get_peak_memory() - before <= sum(sizes) + max(sizes) + 2**18
 
 
 @pytest.mark.parametrize("qtype,bound", [(T.Q4_K, 0.1), (T.Q6_K, 0.025)])
