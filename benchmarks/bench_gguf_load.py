@@ -33,9 +33,10 @@ t = time.perf_counter()
 m = slotinfer.load(sys.argv[1])
 seconds = time.perf_counter() - t
 sizes = [v.size for _, v in tree_flatten(m.net.parameters())]
-print(json.dumps({"load_s": round(seconds, 2), "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-                  "mlx_peak_gb": round(mx.get_peak_memory() / 2**30, 2), "f32_gb": round(4 * sum(sizes) / 2**30, 2),
-                  "largest_tensor_gb": round(4 * max(sizes) / 2**30, 2), "dtype": str(m.dtype)}))
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"load_s": round(seconds, 2), "peak_rss_gib": round(rss / 2**20, 2),
+                  "mlx_peak_gib": round(mx.get_peak_memory() / 2**30, 2), "f32_gib": round(4 * sum(sizes) / 2**30, 2),
+                  "largest_tensor_gib": round(4 * max(sizes) / 2**30, 2), "dtype": str(m.dtype)}))
 """
 
 

@@ -502,11 +502,12 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
             for kind in ("weight", "bias", "scales", "biases"):
                 names = [f"{m}.{kind}" for m in modules]
                 if names[0] in weights:
-                    weights[f"{parent}.{fused}.{kind}"] = mx.concatenate([weights.pop(n) for n in names], axis=0)
+                    joined = mx.concatenate([weights.pop(n) for n in names], axis=0)
+                    mx.eval(joined)  # made now: its parts are freed before the next fused tensor exists
+                    weights[f"{parent}.{fused}.{kind}"] = joined
             if specs[0]:
                 for m in modules:
                     quant.pop(m)
                 quant[f"{parent}.{fused}"] = specs[0]
-        # made layer by layer: each layer's parts are freed before the next layer's fused copies exist
-        mx.eval([w for n, w in weights.items() if n.startswith(f"model.layers.{i}.")])
+        mx.eval([w for n, w in weights.items() if n.startswith(f"model.layers.{i}.")])  # the rest, layer by layer
     return weights

