@@ -40,8 +40,8 @@ TOPICS = ["billing", "shipping", "returns", "warranty", "accounts", "privacy", "
 def system_prompt(tag: str) -> str:
     """About 1,000 tokens of a support assistant's rules; ``tag`` makes it unlike any other."""
     rules = [f"Rule {i} ({tag}): when a customer asks about {t}, answer politely, cite the policy section "
-             f"{i}.{j}, never promise a refund before checking the order, and keep the answer short."
-             for i, t in enumerate(TOPICS * 3) for j in range(1)]
+             f"{i}.1, never promise a refund before checking the order, and keep the answer short."
+             for i, t in enumerate((TOPICS * 3)[:16])]
     return f"You are the support assistant of the Example Store ({tag}).\n" + "\n".join(rules)
 
 
