@@ -495,14 +495,6 @@ def test_rope_factors_that_are_not_llama3_scaling_are_refused(files, tmp_path, c
 
 # -- the real model ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2():
-    path = default_model.path()
-    if path is None:
-        pytest.skip(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
-    return slotinfer.load(path)
-
-
 def test_smollm2_loads_from_its_gguf(smollm2):
     c = smollm2.config
     assert (c.model_type, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == \
