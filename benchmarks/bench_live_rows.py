@@ -53,8 +53,10 @@ def run(tree: Path, mode: str, slots: int, args) -> float:
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--random-shape"] if args.random_shape else []
     env = {**os.environ, "PYTHONPATH": str(tree)}  # that tree's slotinfer, this script
-    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["decode_tokens_per_s"]
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{mode} on {slots} slots failed in {tree}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["decode_tokens_per_s"]
 
 
 def worktree(rev: str) -> Path:
