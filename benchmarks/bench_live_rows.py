@@ -52,7 +52,8 @@ def run(tree: Path, mode: str, slots: int, args) -> float:
     cmd = [sys.executable, __file__, "--one", mode, "--slots", str(slots)]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--random-shape"] if args.random_shape else []
-    env = {**os.environ, "PYTHONPATH": str(tree)}  # that tree's slotinfer, this script
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}  # that tree's slotinfer first, this script
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{mode} on {slots} slots failed in {tree}:\n{proc.stderr[-3000:]}")
