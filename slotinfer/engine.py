@@ -252,6 +252,8 @@ class Engine:
             it.prefilled += len(c.tokens)
             self.table.lengths[it.slot] += len(c.tokens)
             self.counters["prefill_tokens"] += len(c.tokens)
+            if self.prefix_cache is not None:  # chunk by chunk: a request admitted meanwhile hits what is in
+                self._cache(it, it.prompt[: it.prefilled])
         if done:
             first, extra = out
             slots = mx.array([it.slot for it in done])
@@ -260,8 +262,6 @@ class Engine:
             for it in done:
                 self.items.prefilled(it)
                 it.issued, self.gen[it.slot] = 1, 1
-                if self.prefix_cache is not None:
-                    self._cache(it, it.prompt)
         # A fresh prefill attends to its own K/V, so the tokens do not depend on the cache
         # writes: evaluated here, or a batch that never decodes (max_tokens=1) would leave
         # them lazy and chain every later batch's graph onto them.

@@ -227,3 +227,16 @@ def test_a_chats_next_turn_reuses_the_last_turns_prompt_and_answer(smollm2):
     assert second.cached_tokens % 32 == 0
     assert second.cached_tokens >= (first.prompt_tokens + len(first.tokens) - 1) // 32 * 32 > first.prompt_tokens
     assert second.tokens == m.chat(msgs, max_tokens=8).tokens
+
+
+def test_a_long_prompt_is_cached_chunk_by_chunk(models):
+    """A prompt prefilled over several steps enters the cache as its chunks go in: a request with
+    the same start that arrives before the first one's prefill is done already reuses them."""
+    m = models["llama"]
+    engine = _engine(m, 2, prefill=8)
+    ids = list(range(100, 160))
+    first, second = _run(engine, [(0, ids, dict(max_tokens=3, ignore_eos=True)),
+                                  (3, ids[:40] + [7, 8], dict(max_tokens=3, ignore_eos=True))])
+    assert first.result(0).cached_tokens == 0
+    assert second.result(0).cached_tokens == 24  # the first three chunks (8 tokens each) were in by then
+    assert second.result(0).tokens == m.generate(ids[:40] + [7, 8], max_tokens=3, ignore_eos=True).tokens
