@@ -13,6 +13,8 @@ configuration: row buckets x span buckets x sampling modes.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 
@@ -35,9 +37,14 @@ def row_buckets(slots: int) -> list[int]:
     return sorted(out | {slots})
 
 
+@functools.lru_cache(maxsize=64)
+def _buckets(slots: int) -> tuple[int, ...]:  # asked every decode step: computed once per table size
+    return tuple(row_buckets(slots))
+
+
 def row_bucket(n: int, slots: int) -> int:
     """The smallest row count of :func:`row_buckets` that holds ``n`` live rows."""
-    return next(b for b in row_buckets(slots) if b >= n)
+    return next(b for b in _buckets(slots) if b >= n)
 
 
 def step_rows(live, slots: int):

@@ -149,11 +149,15 @@ def kv_dtype(compute_dtype, override=None) -> mx.Dtype:
 def prefix_cache_bytes(device=None) -> int:
     """The prefix cache's default byte budget: an eighth of the memory that holds K/V (the
     machine's RAM on CPU; MLX's recommended working set on a GPU), at most 4 GiB."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if _kind(device) != "cpu":
-        info = mx.device_info()
-        total = info.get("max_recommended_working_set_size") or info.get("memory_size") or total
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    total = (_gpu_memory() if _kind(device) != "cpu" else None) or ram
     return min(int(total) // 8, 4 << 30)
+
+
+def _gpu_memory() -> int | None:
+    """The GPU's memory for MLX: its recommended working set where MLX reports one."""
+    info = mx.device_info()
+    return info.get("max_recommended_working_set_size") or info.get("memory_size")
 
 
 def memory_available(device=None) -> int | None:
@@ -164,8 +168,7 @@ def memory_available(device=None) -> int | None:
     this process.  GPU: MLX's recommended working set less what MLX holds.
     """
     if _kind(device) != "cpu":
-        info = mx.device_info()
-        total = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        total = _gpu_memory()
         return None if not total else max(0, int(total) - mx.get_active_memory())
     found = []
     try:

@@ -49,7 +49,7 @@ def test_cache_hits_give_the_tokens_of_a_cold_run(models, family, reqs, slots, b
     m = models[family]
     engine = _engine(m, slots)
     cache = engine.prefix_cache
-    cache.budget_bytes, cache.capacity = budget_blocks * cache.block_bytes, budget_blocks
+    cache.budget_bytes = budget_blocks * cache.block_bytes
     handles = _run(engine, reqs)
     for (_, ids, params), h in zip(reqs, handles):
         got = h.result(0)
@@ -113,7 +113,7 @@ def test_the_budget_bounds_the_cache_and_evicts_least_recently_used(models):
     m = models["qwen2"]
     engine = _engine(m, 1)
     cache = engine.prefix_cache
-    engine.prefix_cache.capacity, cache.budget_bytes = 5, 5 * cache.block_bytes
+    cache.budget_bytes = 5 * cache.block_bytes
     hot, cold = list(range(50, 71)), list(range(300, 321))  # five blocks of 4 each
     reqs = [(0, hot, dict(max_tokens=1)), (20, cold, dict(max_tokens=1)), (40, hot, dict(max_tokens=1))]
     hs = _run(engine, reqs)

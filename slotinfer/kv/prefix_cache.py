@@ -43,12 +43,16 @@ class PrefixCache:
         self.block_size = block_size
         self.block_bytes = 2 * num_layers * kv_heads * block_size * head_dim * dtype.size
         self.budget_bytes = budget_bytes
-        self.capacity = budget_bytes // self.block_bytes  # blocks
         self.blocks: OrderedDict[int, Block] = OrderedDict()  # least recently used first
         self.counters = dict(queries=0, hits=0, query_tokens=0, hit_tokens=0, inserted_blocks=0, evictions=0)
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the budget holds."""
+        return self.budget_bytes // self.block_bytes
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +61,11 @@ class PrefixCache:
     @staticmethod
     def chain(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
         return hash((parent, tokens, salt))
+
+    def _cached(self, key: int, parent: int | None, tokens: tuple[int, ...], salt: str | None) -> bool:
+        """Whether ``key`` holds exactly this block: a hash match is checked against the block itself."""
+        b = self.blocks.get(key)
+        return b is not None and b.parent == parent and b.tokens == tokens and b.salt == salt
 
     def match(self, tokens, salt: str | None, limit: int) -> list[Block]:
         """The cached blocks that start ``tokens``, at most ``limit`` tokens of them, first to last.
@@ -68,10 +77,9 @@ class PrefixCache:
         for start in range(0, min(limit, len(tokens)) - bs + 1, bs):
             block_tokens = tuple(tokens[start:start + bs])
             key = self.chain(parent, block_tokens, salt)
-            b = self.blocks.get(key)
-            if b is None or b.parent != parent or b.tokens != block_tokens or b.salt != salt:
+            if not self._cached(key, parent, block_tokens, salt):
                 break
-            found.append(b)
+            found.append(self.blocks[key])
             parent = key
         c = self.counters
         c["queries"] += 1
@@ -95,10 +103,8 @@ class PrefixCache:
         for start in range(0, min(len(tokens), self.capacity * bs) - bs + 1, bs):
             block_tokens = tuple(tokens[start:start + bs])
             key = self.chain(parent, block_tokens, salt)
-            b = self.blocks.get(key)
-            if b is None or b.parent != parent or b.tokens != block_tokens or b.salt != salt:
-                if b is not None:  # a collision: the newer prefix takes the key
-                    del self.blocks[key]
+            if not self._cached(key, parent, block_tokens, salt):
+                self.blocks.pop(key, None)  # a collision: the newer prefix takes the key
                 missing.append((start, key, parent, block_tokens))
             chain.append(key)
             parent = key
