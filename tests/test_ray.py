@@ -76,13 +76,15 @@ def test_classifier_rows_equal_classify_and_both_actors_work(cluster, model_path
 
 
 def test_generator_rows_equal_batch_generate_greedy(cluster, model_path, model):
-    prompts = _sentences(20)
+    # 10 batches: enough work that both actors are up before it runs out (with 5, a fast first actor
+    # could take every batch while the second was still loading the model)
+    prompts = _sentences(40)
     bad = {3: "", 14: "word " * 100}  # empty; longer than the table's max_len of 64 with max_tokens
     rows = [{"id": i, "text": bad.get(i, p)} for i, p in enumerate(prompts)]
-    ds = ray.data.from_items(rows, override_num_blocks=5)
+    ds = ray.data.from_items(rows, override_num_blocks=10)
     got = _run(ds, sr.Generator, model=model_path, max_tokens=8, slots=4, max_len=64)
 
-    good = [i for i in range(20) if i not in bad]
+    good = [i for i in range(40) if i not in bad]
     want = model.batch_generate([prompts[i] for i in good], max_tokens=8)
     for i, w in zip(good, want):
         r = got[i]
