@@ -1,8 +1,7 @@
-"""The quantized-linear prototype (slotinfer/cpu/qkernel) against the GGUF reference.
+"""The quantized-linear kernels (slotinfer/cpu/qkernel) against the GGUF reference.
 
-Skipped unless the extension was built (``sh slotinfer/cpu/qkernel/build.sh .venv/bin/python``):
-it is not part of the install yet.  Both kernel sets are held to the same properties: the AVX2 one
-this CPU runs where it can, and the portable one (``set_portable``).
+Skipped where the extension was not built at install time (no C++20 compiler then).  Every loop
+set this CPU runs (AVX-512, AVX2, portable) is held to the same properties.
 """
 
 import numpy as np
@@ -15,18 +14,20 @@ import mlx.core as mx
 from slotinfer.cpu import qkernel
 
 gguf = pytest.importorskip("gguf")
-if qkernel.qlinear is None:
-    pytest.skip(f"the qkernel extension is not built ({qkernel.error})", allow_module_level=True)
+module = qkernel.load()
+if module is None:
+    pytest.skip(f"the qkernel extension is {qkernel.status()}", allow_module_level=True)
 
 FORMATS = list(qkernel.FORMATS)  # GGUF type names
-KERNELS = ["native", "portable"]
+KERNELS = ["portable", "avx2", "avx512"]
+KERNELS = KERNELS[:KERNELS.index(module.best_kernels()) + 1]
 
 
 @pytest.fixture(params=KERNELS)
 def kernels(request):
-    qkernel.module.set_portable(request.param == "portable")
+    module.set_kernels(request.param)
     yield request.param
-    qkernel.module.set_portable(False)
+    module.set_kernels(module.best_kernels())
 
 
 def blocks(qtype, n, k, seed):
@@ -58,20 +59,21 @@ def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
        threads=st.sampled_from([1, 2, 3]))
 def test_batch_invariant(kernels, qtype, m, seed, threads):
     """A row's result is bit-identical whatever the number of rows, their values, and the thread count."""
-    n, k = 37, 160
+    n, k = 37, 320  # k: more blocks than a row tile takes at a time; m: up to more rows than a panel serves
     b, _ = blocks(qtype, n, k, seed)
     rng = np.random.default_rng(seed + 1)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    qkernel.module.set_threads(threads)
+    default = module.threads()
+    module.set_threads(threads)
     try:
         together = qlinear(x, b, qtype)
-        qkernel.module.set_threads(1)
+        module.set_threads(1)
         alone = np.concatenate([qlinear(x[i:i + 1], b, qtype) for i in range(m)])
         others = rng.standard_normal((m, k)).astype(np.float32) * 1e3
         others[m // 2] = x[m // 2]
         beside = qlinear(others, b, qtype)[m // 2]
     finally:
-        qkernel.module.set_threads(0)
+        module.set_threads(default)
     assert np.array_equal(together, alone)
     assert np.array_equal(beside, alone[m // 2])
 
