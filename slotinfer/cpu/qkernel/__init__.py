@@ -47,6 +47,16 @@ def _import():
         _error = (f"it was built against mlx {module.mlx_version} but mlx {mx.__version__} is installed; "
                   "reinstall slotinfer to rebuild it")
         return None
+    # one Q8_0 block (d = 1.0, q = 0..31) against x = 1: an mx.array that does not pass (another
+    # nanobind ABI than mlx.core's) or a wrong sum shows here, not inside a model
+    block = mx.array([0, 60] + list(range(32)), dtype=mx.uint8).reshape(1, 34)
+    try:
+        got = module.qlinear(mx.ones((1, 32)), block, "q8_0").item()
+    except (TypeError, RuntimeError, ValueError) as e:
+        got = e
+    if got != sum(range(32)):
+        _error = f"its self-check failed ({got!r} where {sum(range(32))} was due); reinstall slotinfer"
+        return None
     from .. import blas
 
     module.set_threads(blas.ensure_blas().threads or blas.usable_cores())
