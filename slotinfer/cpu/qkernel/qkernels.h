@@ -140,14 +140,14 @@ QK_AVX2 inline float load_half(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One block to 32 floats in w (exactly what decode_portable gives).
+// One block to four 8-weight slices (exactly what decode_portable gives).
 template <Format F>
-QK_AVX2 inline void decode_avx2(const uint8_t* blk, float* w) {
+QK_AVX2 inline void decode_avx2(const uint8_t* blk, __m256* w) {
   const __m256 d = _mm256_set1_ps(load_half(blk));
   if constexpr (F == Format::Q8_0) {
     for (int s = 0; s < 4; ++s) {
       __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * s));
-      _mm256_storeu_ps(w + 8 * s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
   } else {
     const uint8_t* qs = blk + (F == Format::Q4_1 ? 4 : 2);
@@ -163,12 +163,11 @@ QK_AVX2 inline void decode_avx2(const uint8_t* blk, float* w) {
     __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     if constexpr (F == Format::Q4_0) {
       for (int s = 0; s < 4; ++s)
-        _mm256_storeu_ps(w + 8 * s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[s]))));
+        w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[s])));
     } else {
       const __m256 m = _mm256_set1_ps(load_half(blk + 2));
       for (int s = 0; s < 4; ++s)
-        _mm256_storeu_ps(w + 8 * s,
-                         _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[s]))), m));
+        w[s] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[s]))), m);
     }
   }
 }
@@ -209,10 +208,40 @@ QK_AVX2 inline void tile_avx2(const float* wp, const float* x, int k, int b0, in
   }
 }
 
+// One row: each decoded block meets x straight from registers, with the multiply-adds of the
+// panel path in the same order (the same sums, bit for bit).
+template <Format F, int C>
+QK_AVX2 void row_avx2(const Job& job) {
+  const int nb = job.k / BLOCK, bb = block_bytes(F);
+  const size_t row_bytes = (size_t)nb * bb;
+  int j = job.j0;
+  for (; j + C <= job.j1; j += C) {
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      __m256 w[C][4];
+      for (int c = 0; c < C; ++c) decode_avx2<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
+      for (int s = 0; s < 4; ++s) {
+        __m256 xv = _mm256_loadu_ps(job.x + b * BLOCK + 8 * s);
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(w[c][s], xv, acc[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) job.out[j + c] = avx2_reduce(acc[c]);
+  }
+  if constexpr (C > 1) {
+    if (j < job.j1) {
+      Job rest = job;
+      rest.j0 = j;
+      row_avx2<F, 1>(rest);
+    }
+  }
+}
+
 // Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of K_CHUNK
 // blocks so that a chunk of the panel and of R rows of x stay in L1 while the rows go by.
 template <Format F, int C>
 QK_AVX2 void panels_avx2(const Job& job, std::vector<float>& buf) {
+  if (job.m == 1) return row_avx2<F, C>(job);
   const int nb = job.k / BLOCK, bb = block_bytes(F), k = job.k;
   const size_t row_bytes = (size_t)nb * bb;
   buf.resize((size_t)k * C + (size_t)job.m * C * 8);
@@ -221,7 +250,11 @@ QK_AVX2 void panels_avx2(const Job& job, std::vector<float>& buf) {
   int j = job.j0;
   for (; j + C <= job.j1; j += C) {
     for (int b = 0; b < nb; ++b)
-      for (int c = 0; c < C; ++c) decode_avx2<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, wp + (b * C + c) * BLOCK);
+      for (int c = 0; c < C; ++c) {
+        __m256 w[4];
+        decode_avx2<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w);
+        for (int s = 0; s < 4; ++s) _mm256_storeu_ps(wp + (b * C + c) * BLOCK + 8 * s, w[s]);
+      }
     for (int b0 = 0; b0 < nb; b0 += K_CHUNK) {
       const int b1 = std::min(nb, b0 + K_CHUNK);
       int r = 0;
@@ -251,12 +284,12 @@ inline bool cpu_has_avx2() {
 #define QK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
 template <Format F>
-QK_AVX512 inline void decode_avx512(const uint8_t* blk, float* w) {
+QK_AVX512 inline void decode_avx512(const uint8_t* blk, __m512* w) {
   const __m512 d = _mm512_set1_ps(load_half(blk));
   if constexpr (F == Format::Q8_0) {
     for (int s = 0; s < 2; ++s) {
       __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * s));
-      _mm512_storeu_ps(w + 16 * s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+      w[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
     }
   } else {
     const uint8_t* qs = blk + (F == Format::Q4_1 ? 4 : 2);
@@ -266,13 +299,11 @@ QK_AVX512 inline void decode_avx512(const uint8_t* blk, float* w) {
     if constexpr (F == Format::Q4_0) {
       const __m128i eight = _mm_set1_epi8(8);
       for (int s = 0; s < 2; ++s)
-        _mm512_storeu_ps(w + 16 * s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                          _mm_sub_epi8(parts[s], eight)))));
+        w[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(parts[s], eight))));
     } else {
       const __m512 m = _mm512_set1_ps(load_half(blk + 2));
       for (int s = 0; s < 2; ++s)
-        _mm512_storeu_ps(w + 16 * s,
-                         _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[s]))), m));
+        w[s] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[s]))), m);
     }
   }
 }
@@ -313,10 +344,40 @@ QK_AVX512 inline void tile_avx512(const float* wp, const float* x, int k, int b0
   }
 }
 
+// One row: each decoded block meets x straight from registers, with the multiply-adds of the
+// panel path in the same order (the same sums, bit for bit).
+template <Format F, int C>
+QK_AVX512 void row_avx512(const Job& job) {
+  const int nb = job.k / BLOCK, bb = block_bytes(F);
+  const size_t row_bytes = (size_t)nb * bb;
+  int j = job.j0;
+  for (; j + C <= job.j1; j += C) {
+    __m512 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      __m512 w[C][2];
+      for (int c = 0; c < C; ++c) decode_avx512<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
+      for (int s = 0; s < 2; ++s) {
+        __m512 xv = _mm512_loadu_ps(job.x + b * BLOCK + 16 * s);
+        for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w[c][s], xv, acc[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) job.out[j + c] = avx512_reduce(acc[c]);
+  }
+  if constexpr (C > 1) {
+    if (j < job.j1) {
+      Job rest = job;
+      rest.j0 = j;
+      row_avx512<F, 1>(rest);
+    }
+  }
+}
+
 // Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of K_CHUNK
 // blocks so that a chunk of the panel and of R rows of x stay in L1 while the rows go by.
 template <Format F, int C>
 QK_AVX512 void panels_avx512(const Job& job, std::vector<float>& buf) {
+  if (job.m == 1) return row_avx512<F, C>(job);
   const int nb = job.k / BLOCK, bb = block_bytes(F), k = job.k;
   const size_t row_bytes = (size_t)nb * bb;
   buf.resize((size_t)k * C + (size_t)job.m * C * 16);
@@ -325,7 +386,11 @@ QK_AVX512 void panels_avx512(const Job& job, std::vector<float>& buf) {
   int j = job.j0;
   for (; j + C <= job.j1; j += C) {
     for (int b = 0; b < nb; ++b)
-      for (int c = 0; c < C; ++c) decode_avx512<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, wp + (b * C + c) * BLOCK);
+      for (int c = 0; c < C; ++c) {
+        __m512 w[2];
+        decode_avx512<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w);
+        for (int s = 0; s < 2; ++s) _mm512_storeu_ps(wp + (b * C + c) * BLOCK + 16 * s, w[s]);
+      }
     for (int b0 = 0; b0 < nb; b0 += K_CHUNK) {
       const int b1 = std::min(nb, b0 + K_CHUNK);
       int r = 0;
