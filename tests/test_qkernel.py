@@ -1,8 +1,13 @@
 """The quantized-linear kernels (slotinfer/cpu/qkernel) against the GGUF reference.
 
-Skipped where the extension was not built at install time (no C++20 compiler then).  Every loop
-set this CPU runs (AVX-512, AVX2, portable) is held to the same properties.
+The kernel tests are skipped where the extension was not built at install time (no C++20
+compiler then); the fallback is tested everywhere.  Every loop set this CPU runs (AVX-512, AVX2,
+portable) is held to the same properties.
 """
+
+import subprocess
+import sys
+
 
 import numpy as np
 import pytest
@@ -16,12 +21,11 @@ from slotinfer.cpu import qkernel
 
 gguf = pytest.importorskip("gguf")
 module = qkernel.load()
-if module is None:
-    pytest.skip(f"the qkernel extension is {qkernel.status()}", allow_module_level=True)
+built = pytest.mark.skipif(module is None, reason=f"the qkernel extension is {qkernel.status()}")
 
 FORMATS = list(qkernel.FORMATS)  # GGUF type names
 KERNELS = ["portable", "avx2", "avx512"]
-KERNELS = KERNELS[:KERNELS.index(module.best_kernels()) + 1]
+KERNELS = KERNELS[:KERNELS.index(module.best_kernels()) + 1] if module else []
 
 
 @pytest.fixture(params=KERNELS)
@@ -42,6 +46,7 @@ def qlinear(x, b, qtype):
     return np.array(qkernel.qlinear(mx.array(x), mx.array(b), qkernel.FORMATS[qtype]))
 
 
+@built
 @given(qtype=st.sampled_from(FORMATS), n=st.integers(1, 70), k_blocks=st.integers(1, 12),
        m=st.integers(1, 70), seed=st.integers(0, 2**16))
 def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
@@ -56,6 +61,7 @@ def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
     assert np.all(np.abs(out - ref) <= 1e-6 * k * scale + 1e-30)
 
 
+@built
 @given(qtype=st.sampled_from(FORMATS), m=st.integers(2, 80), seed=st.integers(0, 2**16),
        threads=st.sampled_from([1, 2, 3]))
 def test_batch_invariant(kernels, qtype, m, seed, threads):
@@ -79,6 +85,7 @@ def test_batch_invariant(kernels, qtype, m, seed, threads):
     assert np.array_equal(beside, alone[m // 2])
 
 
+@built
 def test_in_a_compiled_graph_with_leading_axes():
     """The primitive runs inside mx.compile, on [batch, seq, k] activations, like the model's linears."""
     b, wd = blocks("Q4_1", 48, 64, 0)
@@ -95,6 +102,7 @@ def test_in_a_compiled_graph_with_leading_axes():
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
 
 
+@built
 def test_rejects_what_it_cannot_compute():
     b, _ = blocks("Q8_0", 4, 64, 0)
     with pytest.raises(ValueError):
@@ -121,6 +129,7 @@ def smol_prompts(smollm2):
     return SMOL_PROMPTS + [smollm2.apply_chat_template(c) for c in SMOL_CHATS]
 
 
+@built
 def test_smollm2_keeps_its_blocks(smollm2):
     """On CPU the GGUF's matrices stay in their blocks: the weights take about the file's size."""
     import os
@@ -137,6 +146,7 @@ def test_smollm2_keeps_its_blocks(smollm2):
     assert held <= 1.2 * os.path.getsize(smollm2.path)
 
 
+@built
 def test_smollm2_greedy_tokens_agree_with_float32(smollm2, smol_prompts):
     """Greedy tokens through the kernels against the float32 path (held to transformers by
     test_parity_transformers.py): at least 11 of the 12 prompts' 32 tokens the same."""
@@ -147,8 +157,45 @@ def test_smollm2_greedy_tokens_agree_with_float32(smollm2, smol_prompts):
     assert same >= 11, f"{same} of {len(want)} prompts agree"
 
 
+@built
 def test_smollm2_greedy_alone_equals_batched(smollm2, smol_prompts):
     """Each prompt's tokens are the same generated alone and among the others."""
     batched = [r.tokens for r in smollm2.batch_generate(smol_prompts, max_tokens=SMOL_NEW)]
     for prompt, tokens in zip(smol_prompts, batched):
         assert smollm2.generate(prompt, max_tokens=SMOL_NEW).tokens == tokens, prompt
+
+
+# -- the policy, and the fallback where the kernels are missing ------------------------------------
+
+def test_policy_and_its_override(monkeypatch):
+    from slotinfer import device
+
+    assert device.cpu_block_kernels("gpu") is False  # MLX's own quantized kernels serve there
+    assert device.cpu_block_kernels("cpu") is (module is not None)
+    monkeypatch.setenv("SLOTINFER_QUANT_KERNELS", "0")
+    assert device.cpu_block_kernels("cpu") is False
+    assert device.describe()["quant_kernels"].startswith("off (SLOTINFER_QUANT_KERNELS=0)")
+
+
+FALLBACK = """
+import sys
+sys.modules["slotinfer.cpu.qkernel._qkernel"] = None  # as if the install had no compiler
+import slotinfer, mlx.nn as nn
+from slotinfer import default_model, device
+print(device.describe()["quant_kernels"])
+if default_model.path() is not None:
+    m = slotinfer.load(default_model.path())
+    print(type(m.net.model.layers[0].mlp.gate_up_proj).__name__, m.generate("The capital of France is",
+          max_tokens=4).text.strip())
+"""
+
+
+def test_without_the_extension_the_cpu_computes_in_float32():
+    """A machine where the extension is missing loads quantized GGUFs dequantized, as before, and
+    `slotinfer info` says why."""
+    out = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("off, GGUF weights are dequantized to float32: unavailable: it was not built")
+    if len(lines) > 1:
+        assert lines[1].startswith("Linear Paris")
