@@ -8,7 +8,7 @@ is timed as
   first, as the engine does on CPU);
 * ``mlx q4 g32`` ... ``mlx q8 g64``: ``mx.quantized_matmul`` on ``mx.quantize``'s affine layout
   (4 or 8 bits, groups of 32 or 64, float16 scales and biases as MLX checkpoints store them);
-* ``own q8_0`` / ``own q4_0`` / ``own q4_1``: slotinfer's prototype kernel on the GGUF blocks as
+* ``own q8_0`` / ``own q4_0`` / ``own q4_1``: slotinfer's own kernel on the GGUF blocks as
   stored (``slotinfer/cpu/qkernel``), when it is built.
 
 Every variant cycles through copies of its weight that add up to ``--budget-mib`` (well over the
