@@ -1,0 +1,123 @@
+"""Attention over pool blocks: what ``attend`` computes over the same positions laid out
+contiguously (to float32 rounding; bit for bit when a row's span is one block), and, bit for
+bit, the same for a row alone as in any batch, with any padding blocks and any placement of
+its blocks in the pool.  Writes through the block table land where the reads look.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from slotinfer.cache import window_mask
+from slotinfer.cpu.ops import MLX_OPS, cpu_ops
+from slotinfer.kv import TRASH, ZERO, BlockPool
+from slotinfer.kv import paged_attend, write_index
+from slotinfer.models.transformer import attend
+from slotinfer.slots import scatter
+
+OPS = {"cpu": cpu_ops(), "mlx": MLX_OPS}
+
+
+@st.composite
+def cases(draw):
+    """Rows with random lengths in a pool of scattered blocks, and the same K/V laid out contiguously."""
+    kvh, rep = draw(st.sampled_from([(1, 1), (1, 4), (3, 3), (2, 8), (4, 2)]))
+    d = draw(st.sampled_from([8, 16, 64]))
+    bs = draw(st.sampled_from([1, 2, 4, 16, 32, 128]))
+    b = draw(st.integers(1, 5))
+    lengths = draw(st.lists(st.integers(1, 4 * bs + 3), min_size=b, max_size=b))
+    width = -(-max(lengths) // bs) + draw(st.integers(0, 2))  # a table wider than any row needs: ZERO padding
+    window = draw(st.sampled_from([None, None, 1, 5, 2 * bs]))
+    softcap = draw(st.sampled_from([None, None, 20.0]))
+    ops = draw(st.sampled_from(sorted(OPS)))
+    seed = draw(st.integers(0, 2**16))
+    return dict(kvh=kvh, heads=kvh * rep, d=d, bs=bs, lengths=lengths, width=width, window=window,
+                softcap=softcap, ops=ops, seed=seed)
+
+
+def build(c):
+    """(q, contiguous keys and values [b, kvh, width*bs, d], the pools, the block tables, the mask)."""
+    rng = np.random.default_rng(c["seed"])
+    b, kvh, d, bs, width = len(c["lengths"]), c["kvh"], c["d"], c["bs"], c["width"]
+    span = width * bs
+    keys = rng.standard_normal((b, kvh, span, d)).astype(np.float32)
+    values = rng.standard_normal((b, kvh, span, d)).astype(np.float32)
+    need = [-(-n // bs) for n in c["lengths"]]
+    ids = rng.permutation(np.arange(2, 2 + sum(need) + 3))  # scattered, a few blocks left over
+    pool_k = rng.standard_normal((2 + sum(need) + 3, kvh, bs, d)).astype(np.float32)  # leftovers: other data
+    pool_v = rng.standard_normal(pool_k.shape).astype(np.float32)
+    pool_k[ZERO] = pool_v[ZERO] = 0
+    pool_k[TRASH] = pool_v[TRASH] = np.nan  # what padding writes can leave there: never read
+    tables = np.full((b, width), ZERO, dtype=np.int32)
+    taken = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[taken:taken + n]
+        taken += n
+        for j in range(n):
+            pool_k[tables[i, j]] = keys[i, :, j * bs:(j + 1) * bs]
+            pool_v[tables[i, j]] = values[i, :, j * bs:(j + 1) * bs]
+        keys[i, :, n * bs:] = values[i, :, n * bs:] = 0  # past a row's blocks, contiguous reads what ZERO holds
+    q = rng.standard_normal((b, c["heads"], 1, d)).astype(np.float32)
+    pos = mx.array(np.array(c["lengths"]) - 1)
+    mask = window_mask(pos[:, None], mx.arange(span), c["window"])[:, None]
+    return (mx.array(q), mx.array(keys), mx.array(values), mx.array(pool_k), mx.array(pool_v), mx.array(tables),
+            mask)
+
+
+@given(cases())
+def test_paged_equals_contiguous_attention(c):
+    q, keys, values, pool_k, pool_v, tables, mask = build(c)
+    scale, ops = c["d"] ** -0.5, OPS[c["ops"]]
+    want = attend(q, keys, values, scale, mask, c["softcap"], ops)
+    got = paged_attend(q, pool_k, pool_v, tables, scale, mask, c["softcap"], ops)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-6)
+    if c["width"] == 1 and c["ops"] == "cpu":  # one block: the same products as contiguous, bit for bit
+        assert mx.array_equal(got, want).item()
+
+
+@given(cases(), st.integers(1, 4))
+def test_a_row_alone_equals_the_row_in_a_batch(c, split):
+    """Bit for bit: other rows, padding blocks past a row's length and the stream split change nothing."""
+    q, _, _, pool_k, pool_v, tables, mask = build(c)
+    scale, ops, bs = c["d"] ** -0.5, OPS[c["ops"]], c["bs"]
+    batched = paged_attend(q, pool_k, pool_v, tables, scale, mask, c["softcap"], ops, split=split)
+    assert not mx.isnan(batched).any().item()  # TRASH (NaN) is never read
+    for i, n in enumerate(c["lengths"]):
+        nblk = -(-n // bs)
+        alone_mask = window_mask(mx.array([n - 1])[:, None], mx.arange(nblk * bs), c["window"])[:, None]
+        alone = paged_attend(q[i:i + 1], pool_k, pool_v, tables[i:i + 1, :nblk], scale, alone_mask, c["softcap"], ops)
+        assert mx.array_equal(alone, batched[i:i + 1]).item(), f"row {i}"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_writes_through_the_table_land_where_reads_look(dtype):
+    """Tokens written with BlockPool.locate + write_index + scatter, padding included, read back
+    through the tables as the contiguous K/V they were; padding lands in TRASH only."""
+    kvh, d, bs, slots = 2, 8, 4, 3
+    pool = BlockPool(12, bs, slots=slots, max_blocks=4)
+    rng = np.random.default_rng(0)
+    lengths = [5, 11, 1]
+    contiguous = np.zeros((slots, kvh, 16, d), dtype=np.float32)
+    pool_k = mx.zeros((12, kvh, bs, d), dtype=dtype)
+    for s, n in enumerate(lengths):
+        pool.grow(s, n)
+    steps = max(lengths)
+    for t in range(steps):  # one token per slot per step, as decode writes; ended slots pad
+        pos = np.array([t if t < n else -1 for n in lengths])
+        blocks, offsets = pool.locate(np.arange(slots), pos[:, None])
+        new = rng.standard_normal((slots, kvh, 1, d)).astype(np.float32)
+        for s in range(slots):
+            if pos[s] >= 0:
+                contiguous[s, :, t] = new[s, :, 0]
+        index = write_index(mx.array(blocks), mx.array(offsets), kv_heads=kvh, block_size=bs, head_dim=d,
+                            num_blocks=12)
+        pool_k = scatter(pool_k, index, mx.array(new))
+    back = np.array(pool_k.astype(mx.float32))
+    contiguous = np.array(mx.array(contiguous).astype(dtype).astype(mx.float32))  # as stored
+    for s, n in enumerate(lengths):
+        row = back[pool.tables[s, : pool.held[s]]].transpose(1, 0, 2, 3).reshape(kvh, -1, d)[:, :n]
+        np.testing.assert_array_equal(row, contiguous[s, :, :n])
+    assert not back[ZERO].any()
+    assert back[TRASH].any()  # the padding went there
