@@ -4,6 +4,9 @@ bit, the same for a row alone as in any batch, with any padding blocks and any p
 its blocks in the pool.  Writes through the block table land where the reads look.
 """
 
+import os
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,6 +19,10 @@ from slotinfer.kv import TRASH, ZERO, BlockPool
 from slotinfer.kv import paged_attend, write_index
 from slotinfer.models.transformer import attend
 from slotinfer.slots import scatter
+from slotinfer.testing import FAMILIES
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from paged_exactness import PagedRunner, greedy, paged_attention_installed  # noqa: E402
 
 OPS = {"cpu": cpu_ops(), "mlx": MLX_OPS}
 
@@ -121,3 +128,23 @@ def test_writes_through_the_table_land_where_reads_look(dtype):
         np.testing.assert_array_equal(row, contiguous[s, :, :n])
     assert not back[ZERO].any()
     assert back[TRASH].any()  # the padding went there
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decode_alone_equals_batched_bit_for_bit(models, family):
+    """Whole models decoding through pool blocks: each prompt alone (a one-row view holding exactly
+    its blocks, eager) gives the tokens and every step's logits, bit for bit, that it gives among
+    other rows (idle padding rows, ZERO-padded tables, other blocks of the pool, a compiled step).
+    The reference the engine is held to must therefore read through the same function."""
+    model = models[family]
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (2, 9, 23)]
+    steps, bs = 8, 4
+    with paged_attention_installed():
+        runs = [greedy(PagedRunner(model, block_size=bs, slots=5, max_len=40, seed=seed), prompts, steps,
+                       batched=batched, pad_to=5, table_bucket=3, compiled=batched)
+                for seed, batched in ((0, False), (1, True))]
+    (alone, alone_logits), (batched, batched_logits) = runs
+    assert alone == batched
+    for a, b in zip(alone_logits, batched_logits):
+        assert len(a) == steps - 1 and all(np.array_equal(x, y) for x, y in zip(a, b))

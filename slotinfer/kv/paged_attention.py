@@ -33,10 +33,14 @@ Writes go through :func:`write_index` and :func:`slotinfer.slots.scatter`: one f
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
+from ..cache import window_mask
 from ..cpu.ops import MLX_OPS, Ops
 from ..models.transformer import cpu_streams
+from ..slots import scatter
 
 
 def write_index(blocks, offsets, *, kv_heads: int, block_size: int, head_dim: int, num_blocks: int):
@@ -104,3 +108,49 @@ def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops):
     for j in range(1, nblk):  # a fixed chain in block order: trailing ZERO blocks add exact zeros
         out = out + o[:, :, j]
     return out.reshape(B, H, L, D)
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """What a paged view's ``update`` gives the model for one layer in place of contiguous K/V:
+    the layer's pools and the step's block tables; :meth:`attend` is :func:`paged_attend` over them.
+
+    The model's attention needs one branch to use it (``transformer.Attention``: when the K/V it
+    gets back has ``attend``, call that instead of ``attend_split``); contiguous views are unchanged.
+    """
+
+    keys: mx.array  # [num_blocks, kv_heads, bs, head_dim]
+    values: mx.array
+    tables: mx.array  # [B, nblk] int32
+
+    def attend(self, q, scale: float, mask, softcap: float | None, ops: Ops = MLX_OPS, split: int = 1):
+        return paged_attend(q, self.keys, self.values, self.tables, scale, mask, softcap, ops, split)
+
+
+class PagedDecodeView:
+    """Attention context of a step over pool blocks: ``L`` new tokens for each of B rows.
+
+    ``index``: the flat write offsets of the new tokens (:func:`write_index`; padding to TRASH);
+    ``offset`` [B]: each row's first new position, for rope; ``tables`` [B, nblk]: the rows'
+    block tables (ZERO past what a row holds); ``mask_pos`` [B]: the position whose view each
+    row's first query has (a row's own position; for a padding row ``nblk * bs - 1``, so that it
+    sees ZERO blocks and stays finite).  The pools (lists, one per layer) are rebound by each
+    write, as the slot table's views do.
+    """
+
+    def __init__(self, pool_keys, pool_values, index, offset, tables, mask_pos):
+        self.keys, self.values = list(pool_keys), list(pool_values)
+        self.index, self.offset, self.tables, self.mask_pos = index, offset, tables, mask_pos
+        self.span = tables.shape[1] * pool_keys[0].shape[2]
+        self._masks = {}
+
+    def update(self, layer, k, v):
+        self.keys[layer] = scatter(self.keys[layer], self.index, k)
+        self.values[layer] = scatter(self.values[layer], self.index, v)
+        return PagedKV(self.keys[layer], self.values[layer], self.tables), None
+
+    def mask(self, layer, L, window):
+        if (L, window) not in self._masks:
+            q_pos = self.mask_pos[:, None] + mx.arange(L)[None]  # [B, L]
+            self._masks[L, window] = window_mask(q_pos, mx.arange(self.span), window)[:, None]  # [B, 1, L, span]
+        return self._masks[L, window]
