@@ -8,15 +8,22 @@ product.  For each model this runs greedy decodes of a few prompts of different 
 - **paged alone**: the same prompt's K/V (prefilled as ``generate`` prefills it) written into
   pool blocks through a block table, then each decode step through a one-row
   :class:`~slotinfer.kv.paged_attention.PagedDecodeView` whose table holds exactly the row's blocks;
-- **paged batched**: all prompts together as the engine would run them: rows padded to a row
-  bucket with idle rows (their writes go to TRASH), tables padded with ZERO blocks to a common
-  width rounded up to ``--table-bucket`` blocks, blocks scattered over the pool, attention split
-  over the CPU policy's streams, each step compiled.
+- **paged batched**: the prompts together as the engine would run them: rows padded with two
+  idle rows (their writes go to TRASH), tables padded with ZERO blocks to a common width rounded
+  up to 2 blocks, blocks scattered over the pool, attention split over the CPU policy's streams,
+  each step compiled;
+- **contiguous batched**: the same, with each step's blocks copied out into contiguous K/V and
+  attended by today's ``attend_split``: today's attention at the same row count.
 
-It reports, per model: rows whose tokens differ between paged (batched) and today (and the
-first step where they do), and whether paged batched equals paged alone bit for bit (tokens
-and every step's logits).  The model's attention reaches the paged view through a stand-in for
-the one branch the wiring adds to ``transformer.Attention`` (:func:`paged_attention_installed`).
+It reports, per model, block size and row count (``--rows``): rows whose tokens differ (and the
+first step where they do) between paged alone and today, the largest logit difference there,
+rows that differ between paged and contiguous batched, whether contiguous batched equals today
+(tokens; logits bit for bit), and whether paged batched equals paged alone bit for bit (tokens
+and every step's logits).  From 8 rows on, the linear layers' products sum in another form than
+one row's (docs/blas.md), so batched and alone differ in the last bits whatever attention does;
+below 8 they do not, and there any difference is attention's.  The model's attention reaches the
+paged view through a stand-in for the one branch the wiring adds to ``transformer.Attention``
+(:func:`paged_attention_installed`).
 
     python benchmarks/paged_exactness.py                       # tiny random models of every family, SmolLM2
     python benchmarks/paged_exactness.py --families llama,gemma2 --no-smollm2 --steps 16
@@ -37,22 +44,32 @@ import numpy as np
 
 from slotinfer import device
 from slotinfer.cache import SequenceCache
-from slotinfer.kv import TRASH, BlockPool, write_index
+from slotinfer.kv import BlockPool, write_index
 from slotinfer.kv.paged_attention import PagedDecodeView, PagedKV
 from slotinfer.models import transformer
 from slotinfer.slots import scatter
 
 
 @contextlib.contextmanager
-def paged_attention_installed():
+def paged_attention_installed(contiguous: bool = False):
     """The model's attention sends a :class:`PagedKV` to its own ``attend`` (what the wiring's
-    branch in ``transformer.Attention`` will do); contiguous K/V go to ``attend_split`` as before."""
+    branch in ``transformer.Attention`` will do); contiguous K/V go to ``attend_split`` as before.
+
+    ``contiguous``: instead, the rows' blocks are copied out into contiguous K/V and attended
+    by today's ``attend_split``: today's attention on the same values, in the same harness."""
     original = transformer.attend_split
 
     def attend_any(q, k, v, scale, mask, softcap, ops, split):
-        if isinstance(k, PagedKV):
+        if not isinstance(k, PagedKV):
+            return original(q, k, v, scale, mask, softcap, ops, split)
+        if not contiguous:
             return k.attend(q, scale, mask, softcap, ops, split)
-        return original(q, k, v, scale, mask, softcap, ops, split)
+        b, nblk = k.tables.shape
+        _, kvh, bs, d = k.keys.shape
+
+        def rows(pool):
+            return mx.take(pool, k.tables, axis=0).transpose(0, 2, 1, 3, 4).reshape(b, kvh, nblk * bs, d)
+        return original(q, rows(k.keys), rows(k.values), scale, mask, softcap, ops, split)
 
     transformer.attend_split = attend_any
     try:
@@ -179,27 +196,52 @@ def contiguous_logits(model, ids, tokens):
     return out
 
 
+def first_flips(a, b):
+    """For each row, the first step where the token lists ``a`` and ``b`` differ (rows that never do left out)."""
+    return [next(i for i, (x, y) in enumerate(zip(ra, rb)) if x != y) for ra, rb in zip(a, b) if ra != rb]
+
+
+def bit_equal(a_logits, b_logits):
+    return all(np.array_equal(x, y) for ra, rb in zip(a_logits, b_logits) for x, y in zip(ra, rb))
+
+
 def compare(model, prompts, steps: int, block_size: int, *, pad_to: int, table_bucket: int, seed: int = 0):
-    """Tokens of today's path, paged alone and paged batched, and how they differ."""
+    """Greedy tokens of each prompt four ways, and how they differ:
+
+    - today: ``Model.generate`` alone (contiguous attention, one row);
+    - paged alone: one row, attention through pool blocks;
+    - paged batched / contiguous batched: all prompts in each step, padded to ``pad_to`` rows,
+      compiled, attention through the blocks or through today's ``attend`` on the same values.
+
+    The linear layers' products take another summation form from 8 rows on (docs/blas.md), so
+    alone and batched can differ there whatever attention does; the batched pair isolates
+    attention at the same row count.
+    """
     max_len = max(len(p) for p in prompts) + steps + 1
     today = [model.generate(p, max_tokens=steps, ignore_eos=True).tokens for p in prompts]
     today_logits = [contiguous_logits(model, p, t[:-1]) for p, t in zip(prompts, today)]
-    with paged_attention_installed():
-        alone, alone_logits = greedy(PagedRunner(model, block_size=block_size, slots=pad_to, max_len=max_len,
-                                                 seed=seed), prompts, steps, batched=False)
-        batched, batched_logits = greedy(PagedRunner(model, block_size=block_size, slots=pad_to, max_len=max_len,
-                                                     seed=seed + 1), prompts, steps, batched=True, pad_to=pad_to,
-                                         table_bucket=table_bucket, compiled=True)
-    first_flip = [next((i for i, (a, b) in enumerate(zip(t, p)) if a != b), None) for t, p in zip(today, batched)]
-    logits_equal = all(np.array_equal(a, b) for ra, rb in zip(alone_logits, batched_logits) for a, b in zip(ra, rb))
-    # logits of the steps where paged alone and today were fed the same tokens
-    pairs = [(a, b) for ta, tt, ra, rb in zip(alone, today, alone_logits, today_logits)
-             for k, (a, b) in enumerate(zip(ra, rb)) if ta[:k + 1] == tt[:k + 1]]
-    drift = max((float(np.max(np.abs(a - b))) for a, b in pairs), default=0.0)
-    same_as_today = all(np.array_equal(a, b) for a, b in pairs)
-    return dict(rows=len(prompts), drift=drift, same_as_today=same_as_today, flipped=sum(f is not None for f in first_flip),
-                first_flip=[f for f in first_flip if f is not None], alone_flipped=sum(a != t for a, t in zip(alone, today)),
-                alone_equals_batched=alone == batched and logits_equal)
+
+    def run(batched, seed, contiguous=False):
+        runner = PagedRunner(model, block_size=block_size, slots=pad_to, max_len=max_len, seed=seed)
+        with paged_attention_installed(contiguous):
+            return greedy(runner, prompts, steps, batched=batched, pad_to=pad_to, table_bucket=table_bucket,
+                          compiled=batched)
+
+    alone, alone_logits = run(False, seed)
+    paged, paged_logits = run(True, seed + 1)
+    contig, contig_logits = run(True, seed + 2, contiguous=True)
+    def fed_alike(ta, la, tb, lb):  # logits of the steps where two runs were fed the same tokens
+        return [(a, b) for xa, xb, ra, rb in zip(ta, tb, la, lb) for k, (a, b) in enumerate(zip(ra, rb))
+                if xa[:k + 1] == xb[:k + 1]]
+
+    pairs = fed_alike(alone, alone_logits, today, today_logits)
+    return dict(rows=len(prompts), total=pad_to,
+                alone_vs_today=first_flips(alone, today),
+                drift=max((float(np.max(np.abs(a - b))) for a, b in pairs), default=0.0),
+                paged_vs_contig=first_flips(paged, contig),
+                contig_vs_today=first_flips(contig, today),
+                contig_is_today=all(np.array_equal(a, b) for a, b in fed_alike(contig, contig_logits, today, today_logits)),
+                alone_equals_paged=alone == paged and bit_equal(alone_logits, paged_logits))
 
 
 def main():
@@ -209,32 +251,40 @@ def main():
     ap.add_argument("--tiny-blocks", default="4,16", help="block sizes for the tiny models")
     ap.add_argument("--smollm2-blocks", default="32,128")
     ap.add_argument("--no-smollm2", action="store_true")
-    ap.add_argument("--steps", type=int, default=24, help="greedy tokens per prompt")
-    ap.add_argument("--smollm2-steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=32, help="greedy tokens per prompt")
+    ap.add_argument("--smollm2-steps", type=int, default=48)
+    ap.add_argument("--rows", default="4,8", help="prompts decoded together (each run adds 2 padding rows); "
+                    "the linear products change form from 8 rows")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    args.rows = [int(r) for r in args.rows.split(",")]
     device.retain_freed_memory()
     rng = np.random.default_rng(args.seed)
     print(f"ops {device.model_ops().name!r}, {device.model_ops().attention_streams} attention streams")
-    print("| model | block | rows | rows flipped vs today | first flip at step | paged alone flipped vs today "
-          "| logits, paged alone vs today: max abs diff | paged batched == paged alone, bit for bit |")
-    print("|---|---:|---:|---:|---|---:|---:|---|")
+    print("| model | block | rows (+ padding) | paged alone vs today: rows flipped (at step) | logits max abs diff "
+          "| batched, paged vs contiguous: rows flipped | batched contiguous vs today: rows flipped (logits bit for bit) "
+          "| paged batched == paged alone, bit for bit |")
+    print("|---|---:|---:|---|---:|---|---|---|")
+
+    def flips(f):
+        return f"{len(f)}" + (f" (at {', '.join(map(str, f))})" if f else "")
 
     def report(name, model, prompts, blocks, steps):
         for bs in blocks:
-            t = time.perf_counter()
-            r = compare(model, prompts, steps, bs, pad_to=len(prompts) + 2, table_bucket=2, seed=args.seed)
-            print(f"| {name} | {bs} | {r['rows']} | {r['flipped']} | {r['first_flip'] or '-'} | {r['alone_flipped']} "
-                  f"| {r['drift']:.1e}{' (equal)' if r['same_as_today'] else ''} "
-                  f"| {'yes' if r['alone_equals_batched'] else 'NO'} |  <!-- {time.perf_counter() - t:.0f} s -->",
-                  flush=True)
+            for rows in args.rows:
+                t = time.perf_counter()
+                r = compare(model, prompts[:rows], steps, bs, pad_to=rows + 2, table_bucket=2, seed=args.seed)
+                print(f"| {name} | {bs} | {r['rows']} (+2) | {flips(r['alone_vs_today'])} | {r['drift']:.1e} "
+                      f"| {flips(r['paged_vs_contig'])} | {flips(r['contig_vs_today'])} ({'yes' if r['contig_is_today'] else 'no'}) "
+                      f"| {'yes' if r['alone_equals_paged'] else 'no'} |  <!-- {time.perf_counter() - t:.0f} s -->",
+                      flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
             make_tiny_model(family, Path(tmp) / family)
             model = slotinfer.load(Path(tmp) / family)
             vocab = model.config.vocab_size
-            prompts = [rng.integers(3, vocab, n).tolist() for n in (3, 17, 40, 61)]
+            prompts = [rng.integers(3, vocab, n).tolist() for n in (3, 61, 17, 100, 9, 40, 26, 77)]
             report(family, model, prompts, [int(b) for b in args.tiny_blocks.split(",")], args.steps)
     if not args.no_smollm2:
         from slotinfer import default_model
@@ -243,11 +293,15 @@ def main():
             print(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
             return
         model = slotinfer.load(path)
-        texts = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
-                 "Explain how a refrigerator works, step by step, to a ten-year-old. " * 4,
-                 "List the planets of the solar system with one fact about each. " * 9,
-                 "Summarize the causes of the First World War. " * 20]
-        prompts = [model.encode_prompt(model.chat_prompt(messages=[{"role": "user", "content": t}])) for t in texts]
+        texts = [("Write a short story about a lighthouse keeper who finds a message in a bottle.", 1),
+                 ("Summarize the causes of the First World War. ", 60),
+                 ("Explain how a refrigerator works, step by step, to a ten-year-old. ", 12),
+                 ("Describe the water cycle. ", 120),
+                 ("What is the capital of France?", 1),
+                 ("List the planets of the solar system with one fact about each. ", 30),
+                 ("Translate into French: the weather is nice today and we will walk to the market. ", 50),
+                 ("Give three tips for learning to play the guitar. ", 20)]
+        prompts = [model.encode_prompt(model.chat_prompt(messages=[{"role": "user", "content": t * n}])) for t, n in texts]
         print(f"<!-- SmolLM2 prompts of {[len(p) for p in prompts]} tokens -->")
         report("SmolLM2-135M", model, prompts, [int(b) for b in args.smollm2_blocks.split(",")], args.smollm2_steps)
 

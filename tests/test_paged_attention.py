@@ -84,6 +84,18 @@ def test_paged_equals_contiguous_attention(c):
         assert mx.array_equal(got, want).item()
 
 
+@given(cases())
+def test_float16_storage_reads_as_its_float32_values(c):
+    """Pools stored in float16 (the CPU's half-memory option) give what float32 pools holding the
+    same (rounded) values give, bit for bit: only the rows' blocks are converted."""
+    q, _, _, pool_k, pool_v, tables, mask = build(c)
+    pool_k, pool_v = pool_k.astype(mx.float16), pool_v.astype(mx.float16)
+    scale, ops = c["d"] ** -0.5, OPS[c["ops"]]
+    want = paged_attend(q, pool_k.astype(mx.float32), pool_v.astype(mx.float32), tables, scale, mask, c["softcap"], ops)
+    got = paged_attend(q, pool_k, pool_v, tables, scale, mask, c["softcap"], ops)
+    assert got.dtype == mx.float32 and mx.array_equal(got, want).item()
+
+
 @given(cases(), st.integers(1, 4))
 def test_a_row_alone_equals_the_row_in_a_batch(c, split):
     """Bit for bit: other rows, padding blocks past a row's length and the stream split change nothing."""
@@ -135,7 +147,8 @@ def test_greedy_decode_alone_equals_batched_bit_for_bit(models, family):
     """Whole models decoding through pool blocks: each prompt alone (a one-row view holding exactly
     its blocks, eager) gives the tokens and every step's logits, bit for bit, that it gives among
     other rows (idle padding rows, ZERO-padded tables, other blocks of the pool, a compiled step).
-    The reference the engine is held to must therefore read through the same function."""
+    The reference the engine is held to must therefore read through the same function.  Five rows:
+    from 8 the linear products sum in another form than one row's (docs/blas.md)."""
     model = models[family]
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (2, 9, 23)]

@@ -90,8 +90,13 @@ def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops):
     B, H, L, D = q.shape
     _, kvh, bs, _ = pool_keys.shape
     rep, nblk = H // kvh, tables.shape[1]
-    kf = pool_keys.reshape(-1, bs, D).astype(q.dtype)  # K/V stored in another dtype are read in q's
-    vf = pool_values.reshape(-1, bs, D).astype(q.dtype)
+    if pool_keys.dtype != q.dtype:
+        # K/V stored in another dtype (float16 on CPU) are read in q's: the rows' blocks only, taken
+        # and converted (what the slot table's views convert too), never the whole pool
+        pool_keys = mx.take(pool_keys, tables.reshape(-1), axis=0).astype(q.dtype)
+        pool_values = mx.take(pool_values, tables.reshape(-1), axis=0).astype(q.dtype)
+        tables = mx.arange(B * nblk, dtype=mx.uint32).reshape(B, nblk)
+    kf, vf = pool_keys.reshape(-1, bs, D), pool_values.reshape(-1, bs, D)
     # (row, head, block) -> the block's matrix of that head in the pool viewed as [blocks * kvh, bs, D]
     rhs = tables.astype(mx.uint32)[:, None, :] * kvh + mx.arange(kvh, dtype=mx.uint32)[None, :, None]
     lhs = mx.broadcast_to(mx.arange(B * kvh, dtype=mx.uint32).reshape(B, kvh, 1), rhs.shape)
