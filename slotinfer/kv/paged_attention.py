@@ -17,9 +17,10 @@ softcap, the ops' softmax), in three steps:
 3. the blocks' partial products summed as an explicit chain in block order,
    ``((o_0 + o_1) + o_2) + ...``, fixed by the code rather than by a reduction kernel.
 
-**Exactness.**  The scores are those of the contiguous form, and so are the softmax's weights
-(the CPU products sum over ``head_dim`` in an order that does not depend on the number of
-columns).  P·V is not: contiguously it is one multiply-add chain over every position, here one
+**Exactness.**  On CPU, while a K/V head has fewer than 8 query heads (``rep``; SmolLM2 3,
+Qwen3-0.6B 2), the scores are those of the contiguous form, and so are the softmax's weights
+(the products sum over ``head_dim`` in an order that depends neither on the number of columns
+nor on up to 7 rows; from 8 rows they take another form, docs/blas.md).  P·V is not: contiguously it is one multiply-add chain over every position, here one
 chain per block and then the sum of step 3, another association (errors ~1e-7 relative).
 What *is* exact is the paged form against itself: a row's output depends only on its query,
 its blocks' contents and its mask, never on the other rows, on padding blocks past its length
