@@ -253,7 +253,7 @@ def main():
     ap.add_argument("--smollm2-blocks", default="32,128")
     ap.add_argument("--no-smollm2", action="store_true")
     ap.add_argument("--steps", type=int, default=32, help="greedy tokens per prompt")
-    ap.add_argument("--smollm2-steps", type=int, default=48)
+    ap.add_argument("--smollm2-steps", type=int, default=32)
     ap.add_argument("--rows", default="4,8", help="prompts decoded together (each run adds 2 padding rows); "
                     "the linear products change form from 8 rows")
     ap.add_argument("--seed", type=int, default=0)
