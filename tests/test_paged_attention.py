@@ -17,6 +17,7 @@ from slotinfer.cache import window_mask
 from slotinfer.cpu.ops import MLX_OPS, cpu_ops
 from slotinfer.kv import TRASH, ZERO, BlockPool
 from slotinfer.kv import paged_attend, write_index
+from slotinfer.kv.paged_attention import PagedSequenceCache
 from slotinfer.models.transformer import attend
 from slotinfer.slots import scatter
 from slotinfer.testing import FAMILIES
@@ -153,13 +154,30 @@ def test_writes_through_the_table_land_where_reads_look(dtype):
     assert back[TRASH].any()  # the padding went there
 
 
+def reference_greedy(model, ids, steps, block_size):
+    """``Model.generate``'s greedy loop over a :class:`PagedSequenceCache`: tokens and each decode
+    step's logits."""
+    net, cache = model.net, PagedSequenceCache(model.config.num_layers, block_size)
+    h = net(mx.array([ids]), cache)
+    cache.advance(len(ids))
+    tokens, logits = [int(mx.argmax(net.head(h[:, -1]), axis=-1).item())], []
+    for _ in range(steps - 1):
+        h = net(mx.array([[tokens[-1]]]), cache)
+        cache.advance(1)
+        step = net.head(h[:, -1])
+        logits.append(np.array(step[0]))
+        tokens.append(int(mx.argmax(step, axis=-1).item()))
+    return tokens, logits
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_decode_alone_equals_batched_bit_for_bit(models, family):
     """Whole models decoding through pool blocks: each prompt alone (a one-row view holding exactly
     its blocks, eager) gives the tokens and every step's logits, bit for bit, that it gives among
     other rows (idle padding rows, ZERO-padded tables, other blocks of the pool, a compiled step).
-    The reference the engine is held to must therefore read through the same function.  Five rows:
-    from 8 the linear products sum in another form than one row's (docs/blas.md)."""
+    So does the reference path's loop over a PagedSequenceCache, which is what ``Model.generate``
+    must run through once the engine's decode is paged.  Five rows: from 8 the linear products sum
+    in another form than one row's (docs/blas.md)."""
     model = models[family]
     rng = np.random.default_rng(7)
     prompts = [rng.integers(3, model.config.vocab_size, n).tolist() for n in (2, 9, 23)]
@@ -168,7 +186,8 @@ def test_greedy_decode_alone_equals_batched_bit_for_bit(models, family):
         runs = [greedy(PagedRunner(model, block_size=bs, slots=5, max_len=40, seed=seed), prompts, steps,
                        batched=batched, pad_to=5, table_bucket=3, compiled=batched)
                 for seed, batched in ((0, False), (1, True))]
+        reference = [reference_greedy(model, p, steps, bs) for p in prompts]
     (alone, alone_logits), (batched, batched_logits) = runs
-    assert alone == batched
-    for a, b in zip(alone_logits, batched_logits):
-        assert len(a) == steps - 1 and all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert alone == batched == [t for t, _ in reference]
+    for a, b, (_, r) in zip(alone_logits, batched_logits, reference):
+        assert len(a) == steps - 1 and all(np.array_equal(x, y) and np.array_equal(x, z) for x, y, z in zip(a, b, r))

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import window_mask
+from ..cache import SequenceCache, window_mask
 from ..cpu.ops import MLX_OPS, Ops
+from ..errors import InvalidRequestError
 from ..models.transformer import cpu_streams
 from ..slots import scatter
 
@@ -160,3 +161,47 @@ class PagedDecodeView:
             q_pos = self.mask_pos[:, None] + mx.arange(L)[None]  # [B, L]
             self._masks[L, window] = window_mask(q_pos, mx.arange(self.span), window)[:, None]  # [B, 1, L, span]
         return self._masks[L, window]
+
+
+class PagedSequenceCache(SequenceCache):
+    """The single-sequence reference context with decode reading pool blocks, as a paged engine's
+    decode step reads them: what ``Model.generate`` runs through for "alone" to equal "batched"
+    bit for bit once decode is paged.
+
+    K/V live in a private pool per layer, ``[blocks, kv_heads, block_size, head_dim]``, grown a
+    block at a time (new blocks are zeros, like ``ZERO``), the table being ``0 .. blocks-1``.  A
+    fresh prompt (``L`` > 1 at offset 0) attends to its own K/V, as ``SequenceCache`` and the
+    Encoder's fresh rows do; a single new token attends through :func:`paged_attend` over
+    ``blocks * block_size`` positions under a length (and window) mask.  ``block_size`` must be
+    the engine's.
+    """
+
+    def __init__(self, num_layers: int, block_size: int):
+        super().__init__(num_layers)
+        self.block_size = block_size
+
+    def update(self, layer, k, v):
+        B, kvh, L, D = k.shape
+        bs, start = self.block_size, self.offset
+        if B != 1 or (L > 1 and start > 0):
+            raise InvalidRequestError("a PagedSequenceCache takes one sequence: its whole prompt, then one token "
+                                      "at a time")
+        need = -(-(start + L) // bs)
+        have = 0 if self.keys[layer] is None else self.keys[layer].shape[0]
+        if need > have:
+            more = mx.zeros((need - have, kvh, bs, D), dtype=k.dtype)
+            self.keys[layer] = more if have == 0 else mx.concatenate([self.keys[layer], more])
+            self.values[layer] = mx.zeros_like(more) if have == 0 else mx.concatenate([self.values[layer], more])
+        pos = mx.arange(start, start + L)[None]
+        index = write_index(pos // bs, pos % bs, kv_heads=kvh, block_size=bs, head_dim=D, num_blocks=need)
+        self.keys[layer] = scatter(self.keys[layer], index, k)
+        self.values[layer] = scatter(self.values[layer], index, v)
+        if L > 1:
+            return k, v
+        return PagedKV(self.keys[layer], self.values[layer], mx.arange(need, dtype=mx.int32)[None]), None
+
+    def mask(self, layer, L, window):
+        if L > 1:
+            return super().mask(layer, L, window)
+        span = self.keys[layer].shape[0] * self.block_size
+        return window_mask(mx.array([[self.offset]]), mx.arange(span), window)[:, None]  # [1, 1, 1, span]
