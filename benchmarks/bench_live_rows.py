@@ -66,6 +66,9 @@ def worktree(rev: str) -> Path:
                    capture_output=True)
     for shim in (ROOT / "slotinfer" / "cpu").glob("_blas_shim*.so"):  # built at install, not tracked
         shutil.copy(shim, path / "slotinfer" / "cpu")
+    for kernels in (ROOT / "slotinfer" / "cpu" / "qkernel").glob("*.so"):  # the quantized kernels, likewise
+        if (path / "slotinfer" / "cpu" / "qkernel").is_dir():
+            shutil.copy(kernels, path / "slotinfer" / "cpu" / "qkernel")
     return path
 
 

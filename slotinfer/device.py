@@ -166,12 +166,15 @@ def kv_dtype(compute_dtype, override=None) -> mx.Dtype:
     return compute_dtype if override is None else _dtype(override, "kv_dtype")
 
 
-def prefix_cache_bytes(device=None) -> int:
-    """The prefix cache's default byte budget: an eighth of the memory that holds K/V (the
-    machine's RAM on CPU; MLX's recommended working set on a GPU), at most 4 GiB."""
+def kv_memory(device=None) -> int:
+    """The memory that holds K/V: the machine's RAM on CPU; MLX's recommended working set on a GPU."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    total = (_gpu_memory() if _kind(device) != "cpu" else None) or ram
-    return min(int(total) // 8, 4 << 30)
+    return int((_gpu_memory() if _kind(device) != "cpu" else None) or ram)
+
+
+def prefix_cache_bytes(device=None) -> int:
+    """The prefix cache's default byte budget: an eighth of :func:`kv_memory`, at most 4 GiB."""
+    return min(kv_memory(device) // 8, 4 << 30)
 
 
 def _gpu_memory() -> int | None:

@@ -242,7 +242,10 @@ def test_stats_and_memory_are_reported(models):
     assert s["finished"] == 4 and s["decode_tokens"] >= 4 * 3 and s["steps"] >= 3
     assert 0 < s["mean_occupancy"] <= 4
     c = m.config
-    assert mem["kv_cache_bytes"] == 2 * c.num_layers * 4 * c.num_kv_heads * 65 * c.head_dim * 4
+    # the default pool: 4 slots of one 128-token block each (max_len 64), and the two reserved blocks
+    block = 2 * c.num_layers * c.num_kv_heads * 128 * c.head_dim * 4
+    assert mem["kv_cache_bytes"] == (4 + 2) * block and mem["block_bytes"] == block and mem["block_tokens"] == 128
+    assert mem["blocks"] == 4 and s["blocks"] == 4 and s["blocks_used"] == 0 and s["blocks_free"] == 4
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])

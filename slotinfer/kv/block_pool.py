@@ -39,6 +39,10 @@ from .prefix_cache import chain_hash
 
 ZERO, TRASH = 0, 1  # reserved ids: the table padding (never written) and the sink of padding writes
 RESERVED = 2
+# Tokens of one block of the engine's pool, and of the reference's (Model.generate): decode reads
+# blocks through paged_attend, which sums P.V block by block, so both must cut at the same place.
+# 128: the smallest size whose paged decode attention holds today's speed (docs/benchmarks.md).
+KV_BLOCK_SIZE = 128
 
 
 def block_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype, block_size: int) -> int:

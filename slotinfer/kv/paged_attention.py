@@ -28,7 +28,7 @@ its blocks' contents and its mask, never on the other rows, on padding blocks pa
 the pool.  So the reference a batched engine is held to must read through this function too,
 with the same block size (tests/test_paged_attention.py holds both statements).
 
-Writes go through :func:`write_index` and :func:`slotinfer.slots.scatter`: one flat
+Writes go through :func:`write_index` and :func:`slotinfer.cache.scatter`: one flat
 ``put_along_axis`` per layer, as the slot table writes today.
 """
 
@@ -38,11 +38,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import SequenceCache, window_mask
+from ..cache import SequenceCache, scatter, window_mask
 from ..cpu.ops import MLX_OPS, Ops
 from ..errors import InvalidRequestError
 from ..models.transformer import cpu_streams
-from ..slots import scatter
 
 
 def write_index(blocks, offsets, *, kv_heads: int, block_size: int, head_dim: int, num_blocks: int):
@@ -92,6 +91,9 @@ def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops):
     B, H, L, D = q.shape
     _, kvh, bs, _ = pool_keys.shape
     rep, nblk = H // kvh, tables.shape[1]
+    out_dtype = q.dtype
+    if q.dtype != mx.float32 and mx.default_device() == mx.cpu:
+        q = q.astype(mx.float32)  # MLX's CPU gather_mm takes float32 only: a half-precision model attends in it
     if pool_keys.dtype != q.dtype:
         # K/V stored in another dtype (float16 on CPU) are read in q's: the rows' blocks only, taken
         # and converted (what the slot table's views convert too), never the whole pool
@@ -114,7 +116,7 @@ def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops):
     out = o[:, :, 0]
     for j in range(1, nblk):  # a fixed chain in block order: trailing ZERO blocks add exact zeros
         out = out + o[:, :, j]
-    return out.reshape(B, H, L, D)
+    return out.reshape(B, H, L, D).astype(out_dtype)
 
 
 @dataclass(frozen=True)
