@@ -32,6 +32,16 @@ def test_batch_generate_matches_generate(models, family):
     assert [g.finish_reason for g in got] == [r.finish_reason for r in refs]
 
 
+def test_batch_generate_within_a_one_block_pool_serves_prompts_in_turn(models):
+    """A K/V pool of one block (and the two reserved) holds one prompt at a time on 3 slots: the
+    others wait for its block, and each gets its solo tokens."""
+    m = models["llama"]
+    c = m.config
+    block = 2 * c.num_layers * c.num_kv_heads * 128 * c.head_dim * 4
+    got = m.batch_generate(PROMPTS, max_tokens=12, slots=3, kv_cache_bytes=3 * block)
+    assert [g.tokens for g in got] == [m.generate(p, max_tokens=12).tokens for p in PROMPTS]
+
+
 def test_batch_generate_keeps_order_and_isolates_bad_prompts(models):
     m = models["qwen3"]
     got = m.batch_generate(["Hello", "", 42, "world", [10**9]], max_tokens=4)
