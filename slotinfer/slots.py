@@ -2,7 +2,7 @@
 
 Each of the ``b`` slots holds one item's K/V, kept in blocks of a pool shared by every slot
 (:class:`~slotinfer.kv.BlockPool`): per layer one ``[num_blocks, kv_heads, block_size, head_dim]``
-array, sized by a byte budget (``kv_cache_bytes``), and a block table per slot naming its blocks
+array, bounded by a byte budget (``kv_cache_bytes``) and grown to it as admissions need blocks, and a block table per slot naming its blocks
 in order.  Memory follows the tokens admitted, not ``slots x max_len``: a slot takes the blocks
 of its prompt and ``max_tokens`` when its item is admitted (:meth:`SlotTable.admit`, a
 reservation, so a running item never runs short) and gives them back when it ends.
@@ -58,10 +58,13 @@ class SlotTable:
         _check_fits(num_blocks * each, int(kv_cache_bytes))
         self.pool = BlockPool(num_blocks, block_size, slots=slots, max_blocks=self.max_blocks)
         self.num_blocks = num_blocks
-        shape = (num_blocks, self.kv_heads, block_size, self.head_dim)
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        mx.eval(self.keys, self.values)
+        # The device arrays hold the blocks handed out so far, grown (doubling) as admissions need
+        # more, up to the budget: an idle engine holds the reserved blocks and one request's.
+        # The pool hands out its lowest free ids first, so the ids in use stay packed at the start.
+        self.keys = [mx.zeros((0, self.kv_heads, block_size, self.head_dim), dtype=dtype)
+                     for _ in range(config.num_layers)]
+        self.values = [mx.zeros_like(k) for k in self.keys]
+        self._grow_arrays(min(num_blocks, RESERVED + self.max_blocks))
         # Host-side, per slot: tokens cached (0: empty; a decode step writes its token there), and
         # a newly admitted slot's place in the prefill queue, FIFO (-1: not new, its prompt is in).
         self.lengths = np.zeros(slots, dtype=np.int32)
@@ -82,8 +85,19 @@ class SlotTable:
         """``slot`` takes a new item of up to ``tokens`` tokens (its prompt and ``max_tokens``):
         empty, its blocks reserved, its prompt last in the prefill queue."""
         self.lengths[slot] = 0
-        self.pool.grow(slot, tokens)
+        new = self.pool.grow(slot, tokens)
+        if new and max(new) >= self.keys[0].shape[0]:
+            self._grow_arrays(min(self.num_blocks, max(max(new) + 1, 2 * self.keys[0].shape[0])))
         self.new_batch_idx[slot] = int(np.count_nonzero(self.new_batch_idx >= 0))
+
+    def _grow_arrays(self, blocks: int):
+        """Make each layer's arrays hold ``blocks`` blocks (new ones zero, as ZERO must stay)."""
+        have = self.keys[0].shape[0]
+        more = (blocks - have, self.kv_heads, self.block_size, self.head_dim)
+        for kv in (self.keys, self.values):
+            for layer, a in enumerate(kv):
+                kv[layer] = mx.concatenate([a, mx.zeros(more, dtype=a.dtype)])
+                mx.eval(kv[layer])  # one layer at a time: the old array is freed before the next is copied
 
     def new_slots(self) -> list[int]:
         """The slots whose prompt is still (partly) to prefill, in admission order."""
@@ -141,6 +155,7 @@ class SlotTable:
         """Blocks of the pool: total (less the reserved), used, free, their size in tokens and bytes."""
         p = self.pool
         return {"blocks": p.num_blocks - RESERVED, "blocks_used": p.num_used, "blocks_free": p.num_free,
+                "blocks_allocated": self.keys[0].shape[0], "kv_cache_budget_bytes": p.num_blocks * self.block_nbytes,
                 "block_tokens": self.block_size, "block_bytes": self.block_nbytes}
 
 

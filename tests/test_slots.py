@@ -99,3 +99,15 @@ def test_offsets_widen_to_int64_only_past_int32():
     assert last_offsets(2047, 8, 1024, 128).dtype == mx.int32
     last = last_offsets(2500, 8, 1024, 128)
     assert int(last[-1].item()) == 2500 * 8 * 1024 * 128 - 1  # no wrap-around
+
+
+def test_the_arrays_grow_with_admissions_up_to_the_budget_and_keep_what_they_hold():
+    t = _table(4, 1, 8, 2, 4, 2 + 8)  # 8 usable blocks of 4 tokens; a slot holds 2
+    assert t.keys[0].shape[0] == 2 + 2 and t.stats()["kv_cache_budget_bytes"] == 10 * t.block_nbytes
+    t.admit(0, 8)
+    t.write(0, mx.ones((1, 1, 8, 2)), mx.ones((1, 1, 8, 2)))
+    for s in (1, 2, 3):
+        t.admit(s, 8)
+    assert t.keys[0].shape[0] == 10 and t.nbytes == 10 * t.block_nbytes
+    np.testing.assert_array_equal(np.asarray(t.read(0, 0, 8)[0]), np.ones((1, 1, 8, 2)))
+    assert not np.any(np.asarray(t.keys[0][0]))  # ZERO stays zero
