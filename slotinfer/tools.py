@@ -283,7 +283,7 @@ def forced_grammar(tools: list[dict], fmt: str, *, name: str | None = None, para
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
                                                    key: fn.get("parameters") or {"type": "object"}},
                   "required": ["name", key], "additionalProperties": False,
-                  "x-guidance": {"whitespace_flexible": False}}
+                  "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
         rules.append(f"fn{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     body = "body: " + " | ".join(f"fn{i}" for i in range(len(fns)))
     if fmt == HERMES:
