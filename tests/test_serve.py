@@ -250,7 +250,8 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.sampled_fr
 _PARAMS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
            "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "n", "logprobs",
            "top_logprobs", "ignore_eos", "skip_special_tokens", "stop_token_ids", "stream", "stream_options",
-           "echo", "best_of", "response_format", "model", "user"]
+           "echo", "best_of", "response_format", "model", "user", "logit_bias", "structured_outputs", "tools",
+           "tool_choice", "parallel_tool_calls"]
 
 
 @given(body=st.dictionaries(st.sampled_from(_PARAMS), _VALUES, max_size=8), chat=st.booleans(),

@@ -188,10 +188,11 @@ def _walk(model, grammar: str, rng: random.Random, most: int = 400) -> str:
     return tok.decode(out)
 
 
-@pytest.mark.parametrize("family,fmt", [("qwen3", HERMES), ("llama", LLAMA3)])
+@pytest.mark.parametrize("family,fmt", [("qwen3", HERMES), ("llama", LLAMA3), ("smollm2", HERMES)])
 @pytest.mark.parametrize("choice", ["required", "get_time"])
-def test_a_forced_call_always_parses_and_follows_its_schema(models, family, fmt, choice):
-    model, rng = models[family], random.Random(f"{family}{choice}")
+def test_a_forced_call_always_parses_and_follows_its_schema(request, family, fmt, choice):
+    model = request.getfixturevalue("smollm2") if family == "smollm2" else request.getfixturevalue("models")[family]
+    rng = random.Random(f"{family}{choice}")
     name = None if choice == "required" else choice
     grammar = tools.forced_grammar(TOOLS, fmt, name=name, parallel=name is None)
     for _ in range(8):
