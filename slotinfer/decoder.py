@@ -20,8 +20,9 @@ import numpy as np
 
 from . import settings
 from ._compile import ThreadCompiled
-from .sampling import logprobs_of, penalize, sample
+from .sampling import adjust, logprobs_of, penalize, sample
 from .slots import DecodeView, SlotTable
+from .structured import apply_mask
 
 SPAN_BUCKET = 64  # attention spans are rounded up to this, so a few compiled shapes serve every length
 
@@ -76,14 +77,15 @@ class Decoder:
         :func:`~slotinfer.sampling.top_n_computed`), never by what requests ask for."""
         return len(self._compiled)
 
-    def step(self, tokens, live, positions, span: int, rows: "RowParams", *, top_n: int = -1):
+    def step(self, tokens, live, positions, span: int, rows: "RowParams", *, top_n: int = -1, masks=None):
         """Run one step for the ``live`` slots (sorted); returns ``(tokens [b], logprob outputs [b, ...])``,
         all lazy.
 
         ``tokens`` [b] is every slot's latest token; the result is the same array with the live
         slots' next tokens in.  ``positions`` [b] (host) is where each slot's input token goes
         (read for the live slots only).  Logprob outputs are [b, ...] too; other slots' entries
-        are meaningless.
+        are meaningless.  ``masks`` (host, [b, words] int32, or None) is each slot's bitmask of the
+        tokens it may take (:mod:`slotinfer.structured`); a free row's is all ones.
         """
         t = self.table
         # Never past max_len: the trash column holds what idle rows and padding wrote, which in a
@@ -93,24 +95,30 @@ class Decoder:
         pos = np.full(len(picked), t.max_len, dtype=np.int32)  # padding writes to the trash column
         is_live = np.isin(picked, live)
         pos[is_live] = positions[np.asarray(picked)[is_live]]
-        key = (len(picked), prefix, span, rows.all_greedy, rows.use_sort, rows.seen is not None, top_n)
+        key = (len(picked), prefix, span, rows.all_greedy, rows.use_sort, rows.seen is not None,
+               rows.counts is not None, masks is not None, top_n)
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = ThreadCompiled(self._make(*key), enabled=COMPILE)
-        seen = rows.seen if rows.seen is not None else mx.zeros((1,), dtype=mx.bool_)
+        none = mx.zeros((1,), dtype=mx.bool_)  # what a step that does not read an input gets for it
+        seen = rows.seen if rows.seen is not None else none
+        mask = mx.array(masks[picked]) if masks is not None else none
+        adjusting = [rows.counts, rows.bias, rows.presence, rows.frequency] if rows.counts is not None else [none] * 4
         out = fn(tokens, mx.array(picked, dtype=mx.int32), t.keys, t.values, mx.array(pos), rows.temperature,
-                 rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.steps, rows.penalty, seen)
-        nxt, t.keys, t.values, seen, extra = out[0], out[1], out[2], out[3], out[4:]
+                 rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.steps, rows.penalty, seen, mask, *adjusting)
+        nxt, t.keys, t.values, seen, counts, extra = out[0], out[1], out[2], out[3], out[4], out[5:]
         if rows.seen is not None:
             rows.seen = seen
+        if rows.counts is not None:
+            rows.counts = counts
         return nxt, extra
 
-    def _make(self, n, prefix, span, greedy, use_sort, use_penalty, top_n):
+    def _make(self, n, prefix, span, greedy, use_sort, use_penalty, use_adjust, masked, top_n):
         net, table = self.net, self.table
         slots, max_len = table.slots, table.max_len
 
         def step(tokens, picked, keys, values, positions, temperature, top_k, top_p, min_p, seeds, steps, penalty,
-                 seen):
+                 seen, mask, counts, bias, presence, frequency):
             def mine(a):  # the step's rows of a [b, ...] per-slot array
                 return a[:n] if prefix else a[picked]
 
@@ -125,6 +133,15 @@ class Decoder:
                 mine_seen[r, tok] = mine_seen[r, tok] | (positions < max_len)  # padding rows keep theirs
                 logits = penalize(logits, mine_seen, mine(penalty))
                 seen = mx.put_along_axis(seen, mx.broadcast_to(picked[:, None], mine_seen.shape), mine_seen, axis=0)
+            if use_adjust:  # the input token is the row's latest generated one: count it, then penalize
+                r = mx.arange(n)
+                mine_counts = mine(counts)
+                mine_counts[r, tok] = mine_counts[r, tok] + (positions < max_len)
+                logits = adjust(logits, mine(bias), mine_counts, mine(presence), mine(frequency))
+                counts = mx.put_along_axis(counts, mx.broadcast_to(picked[:, None], mine_counts.shape), mine_counts,
+                                           axis=0)
+            if masked:
+                logits = apply_mask(logits, mask)
             if greedy:
                 nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
@@ -136,7 +153,7 @@ class Decoder:
             if top_n >= 0:  # -1: no logprobs; 0: the chosen token's; n: also the top n
                 chosen, ids, vals = logprobs_of(raw, nxt, top_n)
                 extra = [spread(a, picked, slots) for a in [chosen] + ([ids, vals] if top_n > 0 else [])]
-            return [out, view.keys, view.values, seen, *extra]
+            return [out, view.keys, view.values, seen, counts, *extra]
 
         return step
 
@@ -150,30 +167,51 @@ def spread(a, picked, slots: int):
 
 
 class RowParams:
-    """Per-slot sampling parameters as [b] device arrays, rebuilt when slot occupancy changes."""
+    """Per-slot sampling parameters as [b] device arrays, rebuilt when slot occupancy changes.
+
+    The [b, vocab] arrays exist only while some request needs them: ``seen`` (repetition
+    penalty), and ``counts`` with ``bias`` (presence and frequency penalties, logit_bias).
+    """
 
     def __init__(self, slots: int, vocab: int):
         self.slots, self.vocab = slots, vocab
         self.seen = None  # [b, vocab] bool, allocated once some request asks for a repetition penalty
+        self.counts = self.bias = None  # [b, vocab] float32, while some request adjusts logits
         self.set([None] * slots)
 
-    def set(self, params_by_row):
-        """``params_by_row[i]`` is (SamplingParams, seed) of the item in slot i, or None."""
+    def set(self, items):
+        """``items[i]`` is the item in slot i (its ``params``, ``seed`` and logit adjustments), or None."""
         def col(f, dt, default):
-            return mx.array([f(p) if p else default for p in params_by_row], dtype=dt)
+            return mx.array([f(it) if it else default for it in items], dtype=dt)
 
-        self.temperature = col(lambda p: p[0].temperature, mx.float32, 0.0)
-        self.top_k = col(lambda p: p[0].top_k, mx.int32, 0)
-        self.top_p = col(lambda p: p[0].top_p, mx.float32, 1.0)
-        self.min_p = col(lambda p: p[0].min_p, mx.float32, 0.0)
-        self.penalty = col(lambda p: p[0].repetition_penalty, mx.float32, 1.0)
-        self.seeds = col(lambda p: p[1], mx.uint32, 0)
-        live = [p for p in params_by_row if p]
-        self.all_greedy = all(p[0].temperature == 0 for p in live)
-        self.use_sort = any(p[0].top_k > 0 or p[0].top_p < 1 for p in live if p[0].temperature > 0)
-        if self.seen is None and any(p[0].repetition_penalty != 1.0 for p in live):
+        self.temperature = col(lambda it: it.params.temperature, mx.float32, 0.0)
+        self.top_k = col(lambda it: it.params.top_k, mx.int32, 0)
+        self.top_p = col(lambda it: it.params.top_p, mx.float32, 1.0)
+        self.min_p = col(lambda it: it.params.min_p, mx.float32, 0.0)
+        self.penalty = col(lambda it: it.params.repetition_penalty, mx.float32, 1.0)
+        self.seeds = col(lambda it: it.seed, mx.uint32, 0)
+        live = [it for it in items if it]
+        self.all_greedy = all(it.params.temperature == 0 for it in live)
+        self.use_sort = any(it.params.top_k > 0 or it.params.top_p < 1 for it in live if it.params.temperature > 0)
+        if self.seen is None and any(it.params.repetition_penalty != 1.0 for it in live):
             self.seen = mx.zeros((self.slots, self.vocab), dtype=mx.bool_)
         self.steps = mx.zeros((self.slots,), dtype=mx.uint32)
+        self._adjustments(items, live)
+
+    def _adjustments(self, items, live):
+        if not any(it.adjusts for it in live):
+            self.counts = self.bias = None  # free again: the step no longer reads them
+            self.presence = self.frequency = None
+            return
+        if self.counts is None:
+            self.counts = mx.zeros((self.slots, self.vocab), dtype=mx.float32)
+        self.presence = mx.array([it.presence if it else 0.0 for it in items], dtype=mx.float32)
+        self.frequency = mx.array([it.frequency if it else 0.0 for it in items], dtype=mx.float32)
+        bias = np.zeros((self.slots, self.vocab), dtype=np.float32)
+        for s, it in enumerate(items):
+            if it and it.logit_bias:
+                bias[s, list(it.logit_bias)] = list(it.logit_bias.values())
+        self.bias = mx.array(bias)
 
     def take(self, rows: list[int]):
         """The parameters of ``rows`` only (for the Encoder's first token)."""
@@ -182,11 +220,15 @@ class RowParams:
         for name in ("temperature", "top_k", "top_p", "min_p", "penalty", "seeds"):
             setattr(sub, name, getattr(self, name)[idx])
         sub.seen = None if self.seen is None else self.seen[idx]
+        sub.bias = None if self.bias is None else self.bias[idx]
         sub.use_sort, sub.all_greedy = self.use_sort, self.all_greedy
         return sub
 
     def reset_seen(self, rows: list[int], prompts: list[list[int]]):
-        """Start the repetition-penalty history of newly admitted rows with their prompts."""
+        """Start the histories of newly admitted rows: the prompt for the repetition penalty, nothing
+        generated yet for the presence and frequency penalties."""
+        if self.counts is not None:
+            self.counts[mx.array(rows)] = 0.0
         if self.seen is None:
             return
         self.seen[mx.array(rows)] = False

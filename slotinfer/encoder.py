@@ -26,6 +26,7 @@ from . import device
 from .cache import window_mask
 from .models.transformer import layer_by_layer
 from .sampling import logprobs_of, penalize, sample
+from .structured import apply_mask
 from .slots import PrefillView, SlotTable
 
 FAR = 1 << 30  # key position of a past column that must stay invisible (padding of an earlier segment)
@@ -112,10 +113,11 @@ class Encoder:
             picked.append((item, Chunk(item.slot, start, item.prompt[start:start + size], start + size == len(item.prompt))))
         return picked
 
-    def run(self, chunks: list[Chunk], rows_params, *, top_n: int = -1):
+    def run(self, chunks: list[Chunk], rows_params, *, top_n: int = -1, mask=None):
         """Prefill ``chunks``; returns the first sampled token (and logprobs) of each completed row, lazily.
 
-        ``rows_params`` holds [m] sampling arrays for the rows with ``last=True``, in order.
+        ``rows_params`` holds [m] sampling arrays for the rows with ``last=True``, in order, and
+        ``mask`` (or None) their [m, words] bitmasks of allowed tokens.
         """
         width = max(len(c.tokens) for c in chunks)
         rows = mx.array([c.slot for c in chunks])
@@ -133,6 +135,10 @@ class Encoder:
         raw = logits
         if p.seen is not None:
             logits = penalize(logits, p.seen, p.penalty)
+        if p.bias is not None:  # nothing is generated yet: of the adjustments, only logit_bias applies
+            logits = logits + p.bias
+        if mask is not None:
+            logits = apply_mask(logits, mask)
         first = sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seeds,
                        mx.zeros(len(done), dtype=mx.uint32), use_sort=p.use_sort)
         extra = list(logprobs_of(raw, first, top_n)) if top_n >= 0 else []

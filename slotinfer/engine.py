@@ -30,6 +30,7 @@ from .kv import BLOCK_SIZE, PrefixCache
 from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .sampling import SamplingParams, top_n_computed
 from .slots import SlotTable
+from .structured import words
 
 _ids = itertools.count(1)
 
@@ -141,6 +142,7 @@ class Engine:
             e.param = "max_tokens"
             raise e
         sampling = SamplingParams(*(p[k] for k in request.SAMPLING))
+        constraint = model.grammars.constraint(p)  # compiled here, on the caller's thread: a bad one is refused
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
         top = p["top_logprobs"]
         self.counters["submitted"] += 1
@@ -151,6 +153,8 @@ class Engine:
             handle=Handle(rid, p["loop"]),
             detok=model.tokenizer.detokenizer(skip_special_tokens=p["skip_special_tokens"]),
             top_logprobs=top if (p["logprobs"] or top) else -1, on_token=p["on_token"], salt=p["cache_salt"],
+            presence=p["presence_penalty"], frequency=p["frequency_penalty"], logit_bias=p["logit_bias"],
+            constraint=constraint,
         )
         self.items.watch(item)  # its handle's cancel() reaches the item processor, wherever the item is
         return item
@@ -185,6 +189,9 @@ class Engine:
             self._occupancy_changed(admitted)
             self._reuse(admitted)
         firsts = self._prefill()
+        if self._pending is not None and self._needs_previous(firsts):
+            previous, self._pending = self._pending, None  # constrained rows need its tokens for their masks
+            self._process(previous)
         issued = self._decode(firsts)
         previous, self._pending = self._pending, issued
         if previous is not None:
@@ -203,8 +210,26 @@ class Engine:
         while self.busy:
             self.step_or_fail()
 
+    def _needs_previous(self, firsts) -> bool:
+        """Whether a constrained running item waits for the step in flight (one whose first token
+        comes from this step's prefill waits for the next step instead)."""
+        fresh = {id(it) for it in firsts}
+        return any(not it.in_step and it.issued < it.max_tokens and id(it) not in fresh
+                   for it in self.items.running())
+
+    def _masks(self, items) -> np.ndarray | None:
+        """The [b, words] bitmask of ``items``' slots: each constrained one's allowed tokens, all
+        ones elsewhere; None when none is constrained."""
+        constrained = [it for it in items if it.constraint is not None]
+        if not constrained:
+            return None
+        masks = np.full((self.slots, words(self.model.config.vocab_size)), -1, dtype=np.int32)
+        for it in constrained:
+            it.constraint.fill(masks, it.slot)
+        return masks
+
     def _occupancy_changed(self, admitted):
-        self.rows.set([(it.params, it.seed) if it else None for it in self.items.by_slot])
+        self.rows.set(self.items.by_slot)
         self.rows.reset_seen([it.slot for it in admitted], [it.prompt for it in admitted])
 
     # -- the prefix cache ---------------------------------------------------------
@@ -246,8 +271,10 @@ class Engine:
         t0 = time.perf_counter()
         done = [it for it, c in plan if c.last]
         top_n = self._top_n([*self.items.running(), *done])
+        masks = self._masks(done)
         out = self.encoder.run([c for _, c in plan], self.rows.take([it.slot for it in done]) if done else None,
-                               top_n=top_n)
+                               top_n=top_n, mask=mx.array(masks[[it.slot for it in done]]) if masks is not None
+                               else None)
         for it, c in plan:
             it.prefilled += len(c.tokens)
             self.table.lengths[it.slot] += len(c.tokens)
@@ -279,7 +306,7 @@ class Engine:
         running = self.items.running()
         if not running:
             return None
-        needed = [it for it in running if it.issued < it.max_tokens]
+        needed = [it for it in running if it.issued < it.max_tokens and it.in_step]
         if not needed and not firsts:
             return None
         first_set, needed_set = {id(it) for it in firsts}, {id(it) for it in needed}
@@ -291,7 +318,7 @@ class Engine:
             positions = self.table.lengths
             self.rows.steps = mx.array(self.gen)
             nxt, extra = self.decoder.step(tokens_in, live, positions, int(positions[live].max()) + 1, self.rows,
-                                           top_n=top_n)
+                                           top_n=top_n, masks=self._masks(needed))
             self.tokens = nxt
         else:
             nxt, extra = tokens_in, list(fx)  # placeholders of the right shapes; no row reads them

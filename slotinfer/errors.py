@@ -54,6 +54,11 @@ class TemplateError(InvalidRequestError):
     that raises it), or nested too deeply."""
 
 
+class GrammarError(InvalidRequestError):
+    """A JSON schema, regex, choice list or grammar that does not compile, or that takes longer to
+    compile than ``SLOTINFER_GRAMMAR_SECONDS`` allows (``param`` names which)."""
+
+
 # -- engine ----------------------------------------------------------------
 
 class QueueFull(SlotinferError):

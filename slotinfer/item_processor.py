@@ -71,6 +71,10 @@ class Item:
     prefilled: int = 0
     salt: str | None = None  # the prefix cache's tenant: only requests with the same salt share blocks
     cached: int = 0  # prompt tokens whose K/V came from the prefix cache
+    presence: float = 0.0  # presence and frequency penalties, logit_bias: the step's logit adjustments
+    frequency: float = 0.0
+    logit_bias: dict | None = None
+    constraint: object = None  # a structured.Constraint: the tokens it may take next, advanced by each accepted
     issued: int = 0  # tokens asked of the device so far (the Encoder's first, then one per decode step)
     state: State = State.WAITING  # changed only by ItemProcessor.move
     tokens: list[int] = field(default_factory=list)
@@ -81,6 +85,17 @@ class Item:
     t_submit: float = field(default_factory=time.perf_counter)
     t_admit: float = 0.0
     t_first: float = 0.0
+
+
+    @property
+    def adjusts(self) -> bool:
+        return bool(self.presence or self.frequency or self.logit_bias)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the host has every token issued for it: a constrained item needs that before its
+        next step (its mask depends on them)."""
+        return self.constraint is None or len(self.tokens) == self.issued
 
 
 class ItemProcessor:
@@ -176,6 +191,8 @@ class ItemProcessor:
         if token in item.enders:
             return self._emit_and_finish(item, token, "stop")
         item.text += item.detok.add(token)
+        if item.constraint is not None and item.constraint.advance(token):
+            return self._emit_and_finish(item, token, "stop")  # the output is complete
         if item.stops and find_stop(item.text[max(0, item.emitted - _longest(item.stops)):], item.stops) is not None:
             return self._emit_and_finish(item, token, "stop")
         if len(item.tokens) >= item.max_tokens:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from . import device, request
 from .cache import SequenceCache
 from .errors import InvalidRequestError, PromptTooLongError
 from .models import ModelConfig, Transformer
 from .models.transformer import layer_by_layer
-from .sampling import SamplingParams, penalize, sample
+from .sampling import SamplingParams, adjust, penalize, sample
 from .stops import find_stop
+from .structured import apply_mask, words
 from .types import Completion
 
 
@@ -37,6 +40,13 @@ class Model:
         c = self.config
         return (f"Model({self.path.name!r}, {c.model_type}, layers={c.num_layers}, hidden={c.hidden_size}, "
                 f"vocab={c.vocab_size}, dtype={self.dtype})")
+
+    @functools.cached_property
+    def grammars(self):
+        """The model's structured-output compiler (:mod:`slotinfer.structured`), built on first use."""
+        from .structured import Grammars
+
+        return Grammars(self.tokenizer, self.config.vocab_size, self.eos_ids)
 
     @property
     def context_length(self) -> int:
@@ -136,35 +146,50 @@ class Model:
         c = request.check(params, self.config.vocab_size, names=request.GENERATE, what="Model.generate")
         ids = self.encode_prompt(prompt)
         params = SamplingParams(*(c[k] for k in request.SAMPLING))
+        constraint = self.grammars.constraint(c)
         stops = c["stop"]
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         enders = c["stop_token_ids"] | (frozenset() if c["ignore_eos"] else self.eos_ids)
         budget = min(c["max_tokens"], self.context_length - len(ids))
+        vocab = self.config.vocab_size
 
         cache = SequenceCache(self.config.num_layers)
         h = self.net(mx.array([ids]), cache, layer_by_layer(cache, len(ids), device.prefill_by_layer()))
         cache.advance(len(ids))
-        seen = mx.zeros((1, self.config.vocab_size), dtype=mx.bool_)
+        seen = mx.zeros((1, vocab), dtype=mx.bool_)
         seen[0, mx.array(ids)] = True
+        counts = mx.zeros((1, vocab), dtype=mx.float32)
+        bias = mx.zeros((1, vocab), dtype=mx.float32)
+        if c["logit_bias"]:
+            bias[0, mx.array(list(c["logit_bias"]))] = mx.array(list(c["logit_bias"].values()), dtype=mx.float32)
         row = lambda v, dt=mx.float32: mx.array([v], dtype=dt)  # noqa: E731
         p = dict(temperature=row(params.temperature), top_k=row(params.top_k, mx.int32), top_p=row(params.top_p),
                  min_p=row(params.min_p), seeds=row(seed, mx.uint32))
+        mask = np.full((1, words(vocab)), -1, dtype=np.int32)
         detok = self.tokenizer.detokenizer(skip_special_tokens=c["skip_special_tokens"])
         out, text, reason = [], "", "length"
         for step in range(budget):
             logits = self.net.head(h[:, -1, :])
             if params.repetition_penalty != 1.0:
                 logits = penalize(logits, seen, row(params.repetition_penalty))
+            logits = adjust(logits, bias, counts, row(c["presence_penalty"]), row(c["frequency_penalty"]))
+            if constraint is not None:
+                constraint.fill(mask, 0)
+                logits = apply_mask(logits, mx.array(mask))
             tok = sample(logits, steps=row(step, mx.uint32), **p).item()
             out.append(tok)
             if tok in enders:
                 reason = "stop"
                 break
             text += detok.add(tok)
+            if constraint is not None and constraint.advance(tok):
+                reason = "stop"
+                break
             if find_stop(text, stops) is not None:
                 break
             if step + 1 < budget:
                 seen[0, tok] = True
+                counts[0, tok] += 1
                 h = self.net(mx.array([[tok]]), cache)
                 cache.advance(1)
         text += detok.flush()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import itertools
+import json
 import math
 import reprlib
 from collections.abc import Mapping
@@ -35,6 +36,10 @@ VOCAB = "vocab"  # an upper bound that is the model's vocabulary size
 MAX_INT = 2**31 - 1  # the decode step holds counts as int32
 MAX_STOPS = 64  # each stop string is searched for after every token
 MAX_SALT = 256
+MAX_GRAMMAR = 1 << 20  # characters of a JSON schema, regex or grammar; compiling is bounded in time too
+MAX_CHOICES = 4096
+MAX_BIAS = 1024  # token ids one logit_bias may name (OpenAI's API allows 300)
+CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # at most one per request
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class Param:
     """One request parameter: its kind, the values it takes, its default and what it means."""
 
     name: str
-    kind: str  # int, float, bool, seed, stop, token_ids, salt, callback, loop, timeout
+    kind: str  # int, float, bool, seed, stop, token_ids, salt, schema, grammar, choice, bias, callback, loop, timeout
     default: object
     meaning: str
     lo: float | None = None
@@ -63,6 +68,18 @@ TABLE = (
                                               "repeats; 1 disables it)", 1e-6, 1e6),
     Param("seed", "seed", None, "the seed of the draw (None: a random one, reported on the completion)",
           0, 2**32 - 1),
+    Param("presence_penalty", "float", 0.0, "subtract this from the logits of tokens generated so far (> 0 "
+                                            "discourages repeats; 0 disables it)", -2.0, 2.0),
+    Param("frequency_penalty", "float", 0.0, "subtract this times each token's count so far in the output from "
+                                             "its logit (0 disables it)", -2.0, 2.0),
+    Param("logit_bias", "bias", None, f"a dict of up to {MAX_BIAS} token id: bias in [-100, 100], added to "
+                                      "those tokens' logits (-100 in effect bans a token)", -100.0, 100.0),
+    Param("json_schema", "schema", None, "the output is JSON valid against this schema (a dict, or its JSON "
+                                         "text); {\"type\": \"object\"} asks for any JSON object"),
+    Param("regex", "grammar", None, "the output matches this regular expression in full"),
+    Param("choice", "choice", None, f"the output is exactly one of these strings (a list of 1 to {MAX_CHOICES})"),
+    Param("grammar", "grammar", None, "the output follows this Lark grammar (llguidance's dialect, where "
+                                      "%json {...} embeds a JSON schema)"),
     Param("stop", "stop", None, f"a string, or a list of up to {MAX_STOPS}, that ends the text (left out of it)"),
     Param("stop_token_ids", "token_ids", (), "token ids that end generation (kept in the tokens)", 0, VOCAB,
           hi_open=True),
@@ -81,7 +98,8 @@ TABLE = (
 PARAMS = {p.name: p for p in TABLE}
 
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")  # SamplingParams' order
-GENERATE = (*SAMPLING, "max_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
+ADJUST = ("presence_penalty", "frequency_penalty", "logit_bias")  # per-row logit changes of the decode step
+GENERATE = (*SAMPLING, *ADJUST, *CONSTRAINTS, "max_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens")
 ENGINE = (*GENERATE, "logprobs", "top_logprobs", "cache_salt", "on_token", "loop")  # Engine.make_item, batch_generate
 SUBMIT = (*ENGINE, "block", "timeout")
 
@@ -94,7 +112,11 @@ def check(params: Mapping, vocab: int | None = None, *, names=ENGINE, what: str 
     everything else (for values set before a model is loaded).
     """
     check_names(params, names, what)
-    return {name: check_value(name, params.get(name, PARAMS[name].default), vocab) for name in names}
+    out = {name: check_value(name, params.get(name, PARAMS[name].default), vocab) for name in names}
+    given = [k for k in CONSTRAINTS if out.get(k) is not None]
+    if len(given) > 1:
+        raise _bad(given[1], f"a request takes at most one of {', '.join(CONSTRAINTS)}; got {' and '.join(given)}")
+    return out
 
 
 def check_names(params, names=ENGINE, what: str = "request"):
@@ -131,6 +153,17 @@ def check_value(name: str, value, vocab: int | None = None):
         return _stop(value)
     if p.kind == "token_ids":
         return _token_ids(value, hi)
+    if p.kind == "schema":
+        return _schema(value)
+    if p.kind == "grammar":
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_GRAMMAR):
+            raise _bad(name, f"{name} must be None or a non-empty string of at most {MAX_GRAMMAR:,} characters "
+                             f"({p.meaning}), got {short(value)}")
+        return value
+    if p.kind == "choice":
+        return _choice(value)
+    if p.kind == "bias":
+        return _bias(p, value, vocab if vocab is not None else MAX_INT)
     if p.kind == "salt":
         if value is not None and (not isinstance(value, str) or len(value) > MAX_SALT):
             raise _bad(name, f"cache_salt must be None or a string of at most {MAX_SALT} characters, got "
@@ -200,6 +233,69 @@ def _token_ids(value, hi) -> frozenset[int]:
     if ids is None or not all(_is_int(t) and 0 <= t < hi for t in ids):
         raise _bad("stop_token_ids", f"stop_token_ids must be a list of token ids in [0, {hi}), got {short(value)}")
     return frozenset(int(t) for t in ids)
+
+
+def _schema(value):
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if len(value) > MAX_GRAMMAR:
+            raise _bad("json_schema", f"json_schema must be at most {MAX_GRAMMAR:,} characters of JSON, got "
+                                      f"{len(value):,}")
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:
+            raise _bad("json_schema", f"json_schema is not valid JSON text: {str(e)[:160]}") from None
+    if isinstance(value, bool):  # a JSON schema may be true (anything) or false (nothing)
+        raise _bad("json_schema", "json_schema must be a schema object such as {\"type\": \"object\"}, got "
+                                  f"{value!r}")
+    if not isinstance(value, Mapping):
+        raise _bad("json_schema", f"json_schema must be a JSON schema object (a dict or its JSON text), got "
+                                  f"{short(value)}")
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise _bad("json_schema", f"json_schema must hold JSON values only: {str(e)[:160]}") from None
+    if len(text) > MAX_GRAMMAR:
+        raise _bad("json_schema", f"json_schema must be at most {MAX_GRAMMAR:,} characters of JSON, got "
+                                  f"{len(text):,}")
+    return text  # canonical text: what the grammar compiler reads and its cache is keyed by
+
+
+def _choice(value):
+    if value is None:
+        return None
+    items = None
+    if not isinstance(value, (str, bytes, bytearray, Mapping)):
+        try:
+            items = tuple(itertools.islice(value, MAX_CHOICES + 1))
+        except TypeError:
+            pass
+    if items is None or not 0 < len(items) <= MAX_CHOICES or not all(isinstance(c, str) and c for c in items) \
+            or sum(map(len, items)) > MAX_GRAMMAR:
+        raise _bad("choice", f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings (the output is "
+                             f"exactly one of them), got {short(value)}")
+    return tuple(items)
+
+
+def _bias(p: Param, value, vocab: int):
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or len(value) > MAX_BIAS:
+        raise _bad("logit_bias", f"logit_bias must be a dict of at most {MAX_BIAS} token id: bias, got "
+                                 f"{short(value)}")
+    out = {}
+    for k, v in value.items():
+        tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 12 else k
+        if not _is_int(tid) or not 0 <= tid < vocab:
+            raise _bad("logit_bias", f"logit_bias keys must be token ids in [0, {vocab}) (ints, or their "
+                                     f"decimal strings), got {short(k)}")
+        try:
+            out[int(tid)] = _float(p, v, p.hi)
+        except InvalidRequestError:
+            raise _bad("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {short(v)} for "
+                                     f"token {tid}") from None
+    return out
 
 
 def _bad(name, message: str) -> InvalidRequestError:

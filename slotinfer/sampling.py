@@ -61,6 +61,12 @@ def penalize(logits, seen, penalty):
     return mx.where(seen, hit, logits)
 
 
+def adjust(logits, bias, counts, presence, frequency):
+    """``logit_bias`` ([b, vocab] added), then the presence and frequency penalties over ``counts``
+    [b, vocab], how often each token was generated so far: ``- frequency * count - presence * (count > 0)``."""
+    return logits + bias - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+
+
 def filter_logits(x, top_k, top_p, min_p, *, use_sort: bool):
     """Mask to -inf what top-k, top-p and min-p exclude, per row (a value of 0 / 1 / 0 disables each)."""
     if use_sort:

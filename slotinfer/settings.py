@@ -82,16 +82,26 @@ def template_max_chars() -> int:
 
 def template_seconds() -> float:
     """``SLOTINFER_TEMPLATE_SECONDS``: the longest one template render may take; default 2."""
-    value = os.environ.get("SLOTINFER_TEMPLATE_SECONDS", "").strip()
+    return _seconds("SLOTINFER_TEMPLATE_SECONDS", 2.0, "the longest one template render may take")
+
+
+def grammar_seconds() -> float:
+    """``SLOTINFER_GRAMMAR_SECONDS``: the longest a request's JSON schema, regex, choice list or
+    grammar may take to compile before it is refused; default 5."""
+    return _seconds("SLOTINFER_GRAMMAR_SECONDS", 5.0, "the longest a grammar may take to compile")
+
+
+def _seconds(name: str, default: float, meaning: str) -> float:
+    value = os.environ.get(name, "").strip()
     if not value:
-        return 2.0
+        return default
     try:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"SLOTINFER_TEMPLATE_SECONDS={value!r}: expected a number of seconds > 0 "
-                         "(the longest one template render may take); unset it for the default of 2")
+        raise ValueError(f"{name}={value!r}: expected a number of seconds > 0 ({meaning}); unset it for the "
+                         f"default of {default:g}")
     return seconds
 
 

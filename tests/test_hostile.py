@@ -29,9 +29,9 @@ PROMPTS = ["Hello there, how are you today?", "The quick brown fox jumps over th
            "Les enfants jouent dans le jardin."]
 GREEDY = dict(max_tokens=6, ignore_eos=True)
 SLOTS, MAX_LEN = 2, 64
-# row layouts (1 row at slot 0 or gathered, 2 rows) x greedy x sort x penalty x logprob counts, one span
-# bucket at MAX_LEN 64
-VARIANTS_BOUND = 3 * 2 * 2 * 2 * 6
+# row layouts (1 row at slot 0 or gathered, 2 rows) x greedy x sort x repetition penalty x logit adjustments x
+# token masks x logprob counts, one span bucket at MAX_LEN 64
+VARIANTS_BOUND = 3 * 2 * 2 * 2 * 2 * 2 * 6
 EXAMPLES = int(os.environ.get("SLOTINFER_HOSTILE_EXAMPLES", "200"))  # ~15 s on 2 CPU cores
 
 
@@ -42,13 +42,15 @@ class _Custom(BaseException):
 RAISED = [ValueError, KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit, MemoryError,
           StopIteration, _Custom]
 INVALID = [dict(temperature=-1.0), dict(top_logprobs=-1), dict(unknown_keyword=1), dict(stop=5), dict(max_tokens=0),
-           dict(top_p=2.0), dict(on_token="print"), dict(seed=-3), dict(logprobs="yes")]
+           dict(top_p=2.0), dict(on_token="print"), dict(seed=-3), dict(logprobs="yes"), dict(regex="(("),
+           dict(json_schema={"type": "nothing"}), dict(logit_bias={"-1": 2}), dict(choice="yes")]
 
 bystander = st.tuples(st.just("bystander"), st.sampled_from(range(len(PROMPTS))))
 sampled = st.tuples(st.just("sampled"), st.fixed_dictionaries({
     "max_tokens": st.integers(1, 8), "temperature": st.sampled_from([0.0, 0.7]), "top_k": st.sampled_from([0, 3]),
     "top_logprobs": st.integers(0, 576), "seed": st.integers(0, 2**32 - 1), "stop": st.sampled_from([None, ["a"]]),
-    "repetition_penalty": st.sampled_from([1.0, 1.2])}))
+    "repetition_penalty": st.sampled_from([1.0, 1.2]), "frequency_penalty": st.sampled_from([0.0, 0.5]),
+    "regex": st.sampled_from([None, "[a-c]+"])}))
 invalid = st.tuples(st.just("invalid"), st.sampled_from(INVALID))
 raising = st.tuples(st.just("raise"), st.sampled_from(RAISED), st.integers(1, 4))
 cancel = st.tuples(st.just("cancel"), st.sampled_from(["at once", "first token", "later"]))

@@ -206,7 +206,12 @@ _VALID = {
     "stop_token_ids": st.sampled_from([(), [1], np.array([2, 3])]), "ignore_eos": st.booleans(),
     "skip_special_tokens": st.sampled_from([True, False, np.bool_(False)]), "logprobs": st.booleans(),
     "top_logprobs": st.sampled_from([0, 1, 576]), "loop": st.none(), "block": st.booleans(),
-    "timeout": st.sampled_from([None, 0.0, 5]),
+    "timeout": st.sampled_from([None, 0.0, 5]), "presence_penalty": st.sampled_from([-2.0, 0.0, 1.5]),
+    "frequency_penalty": st.sampled_from([-0.5, 0.0, 2]), "logit_bias": st.sampled_from([None, {}, {"5": -100},
+                                                                                        {7: 2.5, 575: 100}]),
+    "json_schema": st.sampled_from([None, {"type": "object"}, '{"enum": [1, "a"]}']),
+    "regex": st.sampled_from([None, "[a-z]{1,3}", "x*"]), "choice": st.sampled_from([None, ("a", "b c")]),
+    "grammar": st.sampled_from([None, 'start: "x" | "yz"']),
 }
 _ANY = st.one_of(
     st.none(), st.booleans(), st.integers(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=5),
