@@ -167,8 +167,8 @@ class StreamParser:
     def finish(self) -> list:
         rest, self._pending = self._pending, ""
         if self.fmt == LLAMA3:
-            calls = _llama_calls(rest) if self._mode != "text" else None
-            return self._found(calls) if calls else self._content(rest)
+            found = _llama_calls(rest) if self._mode != "text" else None
+            return self._found(found[0]) + self._content(found[1]) if found else self._content(rest)
         if self._inside:  # the reply ended inside a block: a call if its JSON is whole
             call = _hermes_call(rest[:len(rest) - _partial_suffix(rest, _CLOSE)])
             return self._found([call]) if call else self._content(_OPEN + rest)
@@ -236,23 +236,25 @@ def _hermes_call(body: str) -> ToolCall | None:
     return _call(obj, ("arguments", "parameters"))
 
 
-def _llama_calls(text: str) -> list[ToolCall] | None:
-    """Every call of a Llama 3.1 JSON reply, or None unless the whole reply is calls."""
+def _llama_calls(text: str) -> tuple[list[ToolCall], str] | None:
+    """The calls of a Llama 3.1 JSON reply and what follows them: nothing, or a call cut short (text
+    from a ``{`` on); None unless the reply is calls."""
     text = text.strip().removeprefix(_PYTHON_TAG)
     decoder, calls, at = json.JSONDecoder(), [], 0
     while True:
         while at < len(text) and (text[at].isspace() or text[at] == ";" and calls):
             at += 1
         if at == len(text):
-            return calls or None
+            return (calls, "") if calls else None
         try:
-            obj, at = decoder.raw_decode(text, at)
+            obj, end = decoder.raw_decode(text, at)
         except ValueError:
-            return None
-        call = _call(obj, ("parameters", "arguments"))
+            obj = end = None
+        call = _call(obj, ("parameters", "arguments")) if obj is not None else None
         if call is None:
-            return None
+            return (calls, text[at:]) if calls and text[at] == "{" else None
         calls.append(call)
+        at = end
 
 
 def _call(obj, keys) -> ToolCall | None:

@@ -126,9 +126,25 @@ def test_a_forced_call_always_parses_and_validates(served, choice):
 
 
 @landed
+def test_parallel_calls_each_validate(served):
+    """With parallel calls a random model may call until max_tokens: every whole call validates, the cut one
+    stays text, and the finish reason says the reply was cut."""
+    _, client = served
+    r = client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, tool_choice="required", n=4,
+                                       temperature=1.0, seed=5, max_tokens=120)
+    for c in r.choices:
+        calls = _calls(c.message)
+        assert calls and c.finish_reason == ("length" if c.message.content else "tool_calls"), c
+        for name, args in calls:
+            jsonschema.validate(args, SCHEMAS[name])
+        assert c.message.content is None or c.message.content.startswith("<tool_call>") or c.finish_reason == "length"
+
+
+@landed
 def test_streamed_calls_assemble_into_the_whole_replys(served):
     _, client = served
-    kw = dict(model=NAME, messages=MSGS, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=300)
+    kw = dict(model=NAME, messages=MSGS, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=300,
+              parallel_tool_calls=False)
     whole = client.chat.completions.create(**kw)
     calls, reasons = {}, []
     for chunk in client.chat.completions.create(**kw, stream=True):

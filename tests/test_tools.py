@@ -57,6 +57,8 @@ def test_llama3_json_calls():
     assert calls_of('<|python_tag|>{"name": "f", "arguments": {}}', LLAMA3) == (None, [("f", {})])
     two = ' {"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}\n'
     assert calls_of(two, LLAMA3) == (None, [("f", {"a": 1}), ("g", {})])
+    cut = '{"name": "f", "parameters": {}}; {"name": "g", "param'  # max_tokens ran out in the second call
+    assert calls_of(cut, LLAMA3) == ('{"name": "g", "param', [("f", {})])
 
 
 def test_llama3_text_is_content():

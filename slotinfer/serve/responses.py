@@ -39,7 +39,8 @@ class Shaper:
                 choice["message"] = {"role": "assistant", "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = [call.openai() for call in calls]
-                    choice["finish_reason"] = "tool_calls"
+                    if c.finish_reason != "length":  # a reply cut short says so, whatever calls it holds
+                        choice["finish_reason"] = "tool_calls"
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -75,7 +76,7 @@ class Shaper:
             parts = parser.finish()
             text = "".join(p for p in parts if isinstance(p, str))
             out = ([self.chunk(index, text)] if text else []) + self._call_chunks(index, parts)
-            reason = "tool_calls" if parser.calls else reason
+            reason = "tool_calls" if parser.calls and reason != "length" else reason
         return [*out, self.chunk(index, "", finish=reason)]
 
     def _parser(self, index: int) -> StreamParser:
