@@ -5,7 +5,9 @@ it.  A step admits waiting items into free slots, prefills one budgeted chunk of
 new prompts (Encoder), issues one fused decode step for every running slot
 (Decoder), and only then reads back the *previous* step's tokens: the host's
 bookkeeping of step t overlaps the device's work on step t+1, and each step costs
-exactly one device-to-host copy.
+exactly one device-to-host copy.  The exception is a step with constrained rows
+(:mod:`slotinfer.structured`): their masks need the previous step's tokens, so it reads
+that step back first.
 
 Why one module: the step's phases (admit, prefill, decode, process) share the slot table's
 state, and the pipelined step reads in order only when they sit together.

@@ -42,6 +42,30 @@ def test_generate_bad_arguments_are_usage_errors(model_dir, capsys, flag, value)
     assert f"slotinfer generate: error: argument {flag}:" in err and "Traceback" not in err
 
 
+def test_generate_constrains_every_output(model_dir, tmp_path, capsys):
+    model = str(model_dir("llama"))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                  "required": ["ok"], "additionalProperties": False}))
+    rc, out, _ = _cli(["generate", "--model", model, "--max-tokens", "12", "--json-schema", str(schema),
+                       "one", "two", "three"], capsys)
+    records = [json.loads(x) for x in out.splitlines()]
+    assert rc == 0 and len(records) == 3
+    assert all(type(json.loads(r["text"])["ok"]) is bool and r["finish_reason"] == "stop" for r in records)
+    rc, out, _ = _cli(["generate", "--model", model, "--choice", "north", "--choice", "south", "a", "b"], capsys)
+    assert rc == 0 and {json.loads(x)["text"] for x in out.splitlines()} <= {"north", "south"}
+
+
+@pytest.mark.parametrize("args", [["--json-schema", "/no/such/schema.json"], ["--json-schema", "{}", "--regex", "a"],
+                                  ["--json-schema", "NOT_JSON"]])
+def test_generate_bad_constraints_are_usage_errors(model_dir, tmp_path, capsys, args):
+    if args[1] != "/no/such/schema.json":
+        (tmp_path / args[1]).write_text(args[1])
+        args = [args[0], str(tmp_path / args[1]), *args[2:]]
+    rc, out, err = _cli(["generate", "--model", str(model_dir("qwen3")), *args, "hello"], capsys)
+    assert rc == 2 and out == "" and "slotinfer generate: error: argument --" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("flag,value", [
     ("--slots", "abc"), ("--slots", "0"), ("--slots", "1,,8"), ("--slots", "8,-1"), ("--repeats", "0"),
     ("--gen-tokens", "0"), ("--mixed-slots", "0"),

@@ -25,6 +25,11 @@ def add_parser(sub):
     p.add_argument("--stop", action="append", help="a stop string (repeat for several)")
     p.add_argument("--logprobs", type=int, nargs="?", const=0, metavar="N",
                    help="record each token's logprob (and the top N alternatives)")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="a JSON schema file: every output is JSON valid against it (docs/structured-output.md)")
+    p.add_argument("--regex", help="every output matches this regular expression in full")
+    p.add_argument("--choice", action="append", help="every output is one of these strings (repeat for each)")
+    p.add_argument("--grammar", metavar="FILE", help="a Lark grammar file every output follows")
     p.add_argument("--slots", type=positive_int, default=32)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--system", help="a system message (implies --chat)")
@@ -39,6 +44,14 @@ def check(parser, args):
     from .. import request
     from ..errors import InvalidRequestError
 
+    for flag in ("json_schema", "grammar"):  # read once, here: a missing file is a usage error
+        path = getattr(args, flag)
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    setattr(args, flag, f.read())
+            except (OSError, UnicodeDecodeError) as e:
+                parser.error(f"argument --{flag.replace('_', '-')}: cannot read {path!r}: {e}")
     try:
         request.check({**_params(args), "seed": args.seed})
     except InvalidRequestError as e:
@@ -49,7 +62,8 @@ def check(parser, args):
 def _params(args) -> dict:
     """The generation parameters every prompt of the run shares (each draws with a seed of its own)."""
     params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop)
+                  min_p=args.min_p, repetition_penalty=args.repetition_penalty, stop=args.stop,
+                  json_schema=args.json_schema, regex=args.regex, choice=args.choice, grammar=args.grammar)
     if args.logprobs is not None:
         params.update(logprobs=True, top_logprobs=args.logprobs)
     return params
