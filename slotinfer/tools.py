@@ -187,8 +187,8 @@ class StreamParser:
             else:
                 k = self._pending.find(_OPEN)
                 if k < 0:
-                    keep = _partial_suffix(self._pending, _OPEN)
-                    sure, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+                    cut = len(self._pending) - _partial_suffix(self._pending, _OPEN)
+                    sure, self._pending = self._pending[:cut], self._pending[cut:]
                     return out + self._content(sure)
                 out += self._content(self._pending[:k])
                 self._pending, self._inside = self._pending[k + len(_OPEN):], True

@@ -27,9 +27,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-HISTORY = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}
+HISTORY = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
 
 landed = pytest.mark.skipif("grammar" not in request.PARAMS, reason="the library's constraint parameters")
 
@@ -50,7 +51,8 @@ def test_tools_reach_the_prompt_and_a_reply_without_calls_is_content(served):
     r = client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, max_tokens=12, temperature=0)
     msg = r.choices[0].message
     assert (msg.content, msg.tool_calls) == (want.text.strip() or None, None)
-    assert r.usage.prompt_tokens == want.prompt_tokens > model.generate(model.chat_prompt(messages=MSGS), max_tokens=1).prompt_tokens
+    plain = model.generate(model.chat_prompt(messages=MSGS), max_tokens=1)
+    assert r.usage.prompt_tokens == want.prompt_tokens > plain.prompt_tokens
     streamed = client.chat.completions.create(model=NAME, messages=MSGS, tools=TOOLS, max_tokens=12, temperature=0,
                                               stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (msg.content or "")

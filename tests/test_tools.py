@@ -53,7 +53,8 @@ def test_hermes_text_that_is_no_call_stays_content():
 
 
 def test_llama3_json_calls():
-    assert calls_of('{"name": "get_time", "parameters": {"zone": "UTC"}}', LLAMA3) == (None, [("get_time", {"zone": "UTC"})])
+    one = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    assert calls_of(one, LLAMA3) == (None, [("get_time", {"zone": "UTC"})])
     assert calls_of('<|python_tag|>{"name": "f", "arguments": {}}', LLAMA3) == (None, [("f", {})])
     two = ' {"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}\n'
     assert calls_of(two, LLAMA3) == (None, [("f", {"a": 1}), ("g", {})])

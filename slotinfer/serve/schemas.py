@@ -163,8 +163,9 @@ def _constraint(body) -> tuple[str, str, object] | None:
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-            raise bad_param("response_format", "'response_format' must be {'type': 'text'}, {'type': 'json_object'} "
-                                               f"or {{'type': 'json_schema', 'json_schema': {{...}}}}, got {short(fmt)}")
+            raise bad_param("response_format", "'response_format' must be {'type': 'text'}, {'type': "
+                                               "'json_object'} or {'type': 'json_schema', 'json_schema': {...}}, "
+                                               f"got {short(fmt)}")
         if fmt["type"] == "json_object":
             found.append(("response_format", "json_schema", {"type": "object"}))
         elif fmt["type"] == "json_schema":
