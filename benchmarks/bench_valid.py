@@ -75,7 +75,10 @@ def one(client, name, kind, i, sampled, max_tokens):
                                                                         "strict": True}}
     else:
         kw.update(tools=TOOLS[name], tool_choice="required", parallel_tool_calls=False)
-    c = client.chat.completions.create(**kw).choices[0]
+    try:
+        c = client.chat.completions.create(**kw).choices[0]
+    except openai.APIStatusError as e:
+        return f"HTTP {e.status_code}"
     if c.finish_reason not in ("stop", "tool_calls"):
         return c.finish_reason
     try:

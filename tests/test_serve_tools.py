@@ -97,6 +97,11 @@ def _bad(client, **kw):
     (dict(extra_body={"structured_outputs": {"yaml": "x"}}), "structured_outputs.yaml", "json, regex"),
     (dict(extra_body={"structured_outputs": {"choice": []}}), "structured_outputs.choice", "list of strings"),
     (dict(logit_bias={"the": 5}), "logit_bias", "token ids"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+          tool_choice="required"), "tools", "do not compile"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+     "response_format", "not valid"),
+    (dict(extra_body={"guided_regex": "(unclosed"}), "guided_regex", "not valid"),
     (dict(extra_body={"functions": [{"name": "f"}]}), "functions", "'tools'"),
     (dict(messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),

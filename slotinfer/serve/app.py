@@ -27,7 +27,7 @@ from starlette.routing import Route
 from .. import tools
 from ..cpu import allocator
 from ..errors import InvalidRequestError, PromptTooLongError
-from ..request import short
+from ..request import CONSTRAINTS, short
 from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
@@ -148,6 +148,7 @@ class _Server:
             self._check_fits(req)
             self._force_call(req)
             prompts = await asyncio.to_thread(self._encode, req)  # seconds for a prompt of megabytes
+            await asyncio.to_thread(self._compile, req)  # seconds for a hard schema
             handles, prompt_tokens = await self._submit(req, prompts)
         except Exception as e:
             return self._refuse(endpoint, e)
@@ -164,6 +165,21 @@ class _Server:
             name = None if req.tool_choice == "required" else req.tool_choice
             req.params["grammar"] = tools.forced_grammar(req.tools, self.tool_format, name=name,
                                                          parallel=req.parallel_tool_calls and name is None)
+
+    def _compile(self, req: GenerateRequest):
+        """A constrained request's grammar compiled on a worker thread (bounded by SLOTINFER_GRAMMAR_SECONDS),
+        so that submit finds it compiled and the event loop never waits on a compile; a bad one is a 400
+        naming the field the client sent."""
+        kinds = [k for k in CONSTRAINTS if req.params.get(k) is not None]
+        if not kinds:
+            return
+        try:
+            self.model.grammars.constraint({kinds[0]: req.params[kinds[0]]})
+        except InvalidRequestError as e:
+            if req.tools and req.tool_choice != "auto":
+                raise APIError(400, f"a function's parameters in 'tools' do not compile into the grammar that forces "
+                                    f"the call: {e}", param="tools") from None
+            raise APIError(400, str(e), param=req.constrained_by or getattr(e, "param", None)) from None
 
     def _check_fits(self, req: GenerateRequest):
         """400 for a request with more rows than the slots and the queue bound hold together: a 429 would
