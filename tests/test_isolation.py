@@ -291,6 +291,27 @@ def test_distinct_top_logprobs_compile_a_bounded_number_of_step_variants(models)
     assert [len(t) for t in got[vocab].top_logprobs] == [vocab] * 3
 
 
+def test_prompts_of_many_lengths_keep_a_bounded_number_of_compiled_op_variants(models):
+    """Every prefill shape traces the model's compiled ops (the MLP's activation, the attention's
+    softmax) anew: a thread keeps the MAX_VARIANTS latest, whatever lengths the traffic brings, and a
+    shape traced again gives the tokens it gave before."""
+    from slotinfer._compile import MAX_VARIANTS
+
+    m = models["qwen3"]
+    act = m.net.model.layers[0].mlp.act  # the op a [rows, width, hidden] prefill runs in every layer
+    words = "one two three four five six seven eight nine ten".split()
+    prompts = [" ".join(words[j % 10] for j in range(n)) for n in range(1, MAX_VARIANTS + 20)]
+    traced, kept = act.traced, act.variants  # other threads' (earlier tests') variants stay as they are
+    # one row a prefill, all of the prompt (no prefix cache): a width per prompt length
+    with slotinfer.Inferencer(m, slots=1, max_len=512, prefix_cache_bytes=0) as inf:
+        first = [inf.generate(p, max_tokens=2, temperature=0).tokens for p in prompts]
+        assert act.traced - traced > MAX_VARIANTS  # the traffic brought more shapes than are kept
+        assert act.variants - kept <= MAX_VARIANTS  # the worker thread's, however many shapes came
+        again = [inf.generate(p, max_tokens=2, temperature=0).tokens for p in prompts[:8]]  # evicted, traced again
+        assert act.variants - kept <= MAX_VARIANTS
+    assert again == first[:8]
+
+
 def test_stats_count_accepted_requests_and_refusals_apart(models):
     m = models["qwen3"]
 

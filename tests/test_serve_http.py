@@ -2,6 +2,7 @@
 engine failures, many concurrent streams, and shutdown on SIGINT/SIGTERM."""
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -107,6 +108,85 @@ def test_oversized_body_is_413(model):
         r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 3000})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert httpx.post(url + "/v1/completions", json={"prompt": "x" * 20, "max_tokens": 1}).status_code == 200
+
+
+def _upload(port: int, head: bytes, body) -> bytes:
+    """Sends a request whole (``body``: bytes, or chunks), then reads the answer to its end, as a client
+    that reads only once it has sent everything does."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(head)
+    for chunk in [body] if isinstance(body, bytes) else body:
+        s.sendall(chunk)
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    return got
+
+
+def test_an_over_limit_upload_reads_its_413_whatever_the_client(model):
+    """Closing with unread bytes resets the connection: a client that sends a body over the limit whole
+    before reading must still read a JSON 413, not ECONNRESET."""
+    import urllib.error
+    import urllib.request
+
+    import openai
+    body = json.dumps({"prompt": "x" * (8 << 20), "max_tokens": 1}).encode()  # 128 times the limit
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, \
+            serving(build_app(inf, max_body_bytes=64 << 10)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n")
+        got = _upload(port, head + b"Content-Length: %d\r\n\r\n" % len(body), body)
+        assert got.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in got, got[:200]
+        chunks = (b"%x\r\n%s\r\n" % (len(c), c) for c in [body[i:i + 65536] for i in range(0, len(body), 65536)] + [b""])
+        got = _upload(port, head + b"Transfer-Encoding: chunked\r\n\r\n", chunks)  # no length declared
+        assert got.startswith(b"HTTP/1.1 413") and b'"request_too_large"' in got, got[:200]
+
+        with pytest.raises(urllib.error.HTTPError) as e:  # urllib sends `Connection: close`
+            urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=body,
+                                                          headers={"Content-Type": "application/json"}), timeout=30)
+        assert e.value.code == 413 and json.loads(e.value.read())["error"]["code"] == "request_too_large"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="m", prompt="x" * (8 << 20), max_tokens=1)
+        assert e.value.status_code == 413 and e.value.code == "request_too_large"
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_what_is_read_of_a_refused_body_is_bounded(model):
+    """The 413 goes out at once; the server then reads at most DRAIN_BYTES more, and no longer than the
+    read timeout, before it closes the connection."""
+    from slotinfer.serve.http import DRAIN_BYTES
+    with slotinfer.Inferencer(model, slots=1, max_len=64) as inf, \
+            serving(build_app(inf, max_body_bytes=64 << 10, read_timeout=2.0)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)  # a body without end, sent at full speed
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % (1 << 40))
+        sent, chunk = 0, b"x" * (1 << 20)
+        with pytest.raises(OSError):  # reset or broken pipe: the server closed
+            while sent < 4 * DRAIN_BYTES:
+                sent += s.send(chunk)
+        s.close()
+        assert sent < DRAIN_BYTES + (32 << 20), sent  # what the socket buffers hold beyond the drain
+
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)  # a body trickled: it reads its 413 at once
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % (1 << 20))
+        t0 = time.monotonic()
+        s.settimeout(0.1)
+        got = b""
+        while b"request_too_large" not in got:
+            assert time.monotonic() - t0 < 5, got
+            s.sendall(b"x" * 100)
+            with contextlib.suppress(TimeoutError):
+                got += s.recv(65536)
+        assert got.startswith(b"HTTP/1.1 413") and b"connection: close" in got.lower()
+        with pytest.raises(OSError):  # closed at the read timeout however slowly the body comes
+            while time.monotonic() - t0 < 10:
+                s.sendall(b"x" * 100)
+                time.sleep(0.05)
+        assert time.monotonic() - t0 < 4
+        s.close()
 
 
 def test_engine_failure_is_500_for_the_requests_in_flight_only(model):

@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-import warnings
 
 from .jobs import UsageError, _key, check_not_input, parse_template, resume, run_id
 
@@ -153,18 +152,34 @@ def _read(path: str):
 
 
 def _with_ids(ds):
-    """The dataset with an ``id`` column (its own, or the 1-based row number), and its row count."""
+    """The dataset with an ``id`` column (its own, or the 1-based row number), and its row count.
+
+    Row numbers must name the same rows on every run, or a resume would skip the wrong ones: the
+    input is read once in its own order (``preserve_order``), and each block is numbered from the
+    rows of the blocks before it.  (``Dataset.zip`` with a range, the older way, relies on an order
+    Ray Data does not promise, warns on every run since Ray 2.60 and is gone in 2.64.)"""
+    import itertools
+
     import ray
 
-    total = ds.count()
     if "id" in ds.schema().names:
-        return ds, total
-    rows = ray.data.range(total).map_batches(lambda b: {"id": b["id"] + 1}, batch_format="numpy")
-    # Ray 2.60 deprecates zip for a join on a shared key, which an input without ids lacks: the
-    # notice, printed on every run, says nothing a user can act on.  (Ray 2.64 is to remove zip.)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"[\s\S]*`Dataset\.zip` is deprecated", category=DeprecationWarning)
-        return ds.zip(rows), total
+        return ds, ds.count()
+    ds.context.execution_options.preserve_order = True  # this read only: the actors after it stay unordered
+    blocks = ds.materialize().to_arrow_refs()
+    sizes = ray.get([ray.remote(_num_rows).remote(b) for b in blocks])
+    numbered = ray.remote(_numbered)
+    firsts = itertools.accumulate([1, *sizes[:-1]])
+    return ray.data.from_arrow_refs([numbered.remote(b, first) for b, first in zip(blocks, firsts)]), sum(sizes)
+
+
+def _num_rows(table) -> int:
+    return table.num_rows
+
+
+def _numbered(table, first: int):
+    import pyarrow as pa
+
+    return table.append_column("id", pa.array(range(first, first + table.num_rows), pa.int64()))
 
 
 class _Skip:

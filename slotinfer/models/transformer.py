@@ -302,6 +302,8 @@ class Transformer(nn.Module):
 
     def _head_weight(self, ids):
         layer = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if hasattr(layer, "weight_rows"):  # GGUF blocks on CPU (slotinfer.cpu.qlayers)
+            return layer.weight_rows(ids)
         if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             return mx.dequantize(layer.weight[ids], layer.scales[ids], layer.biases[ids],
                                  group_size=layer.group_size, bits=layer.bits)
