@@ -79,6 +79,8 @@ def one(client, name, kind, i, sampled, max_tokens):
         c = client.chat.completions.create(**kw).choices[0]
     except openai.APIStatusError as e:
         return f"HTTP {e.status_code}"
+    except openai.APITimeoutError:
+        return "timed out"
     if c.finish_reason not in ("stop", "tool_calls"):
         return c.finish_reason
     try:
