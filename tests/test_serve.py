@@ -135,8 +135,8 @@ def test_stop_strings_end_the_text(client, model):
 
 
 @pytest.mark.parametrize("kw, param", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(frequency_penalty=0.5), "frequency_penalty"),
-    (dict(presence_penalty=1), "presence_penalty"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(frequency_penalty=2.5), "frequency_penalty"),
+    (dict(presence_penalty=-3), "presence_penalty"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
     (dict(seed=-3), "seed"), (dict(stop=[""]), "stop"), (dict(logprobs=99), "logprobs"),
     (dict(extra_body={"top_k": -1}), "top_k"), (dict(extra_body={"min_p": 2}), "min_p"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"), (dict(extra_body={"ignore_eos": "yes"}), "ignore_eos"),
@@ -267,7 +267,8 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.sampled_fr
 _PARAMS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
            "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "n", "logprobs",
            "top_logprobs", "ignore_eos", "skip_special_tokens", "stop_token_ids", "stream", "stream_options",
-           "echo", "best_of", "response_format", "model", "user"]
+           "echo", "best_of", "response_format", "model", "user", "logit_bias", "structured_outputs", "tools",
+           "tool_choice", "parallel_tool_calls"]
 
 
 @given(body=st.dictionaries(st.sampled_from(_PARAMS), _VALUES, max_size=8), chat=st.booleans(),
