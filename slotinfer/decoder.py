@@ -100,7 +100,7 @@ class Decoder:
         is_live = np.isin(picked_np, live)
         pos = np.where(is_live, positions[picked_np], -1).astype(np.int32)  # padding writes to TRASH
         tables = np.where(is_live[:, None], t.pool.tables[picked_np, :nblk], ZERO).astype(np.int32)
-        blocks, offsets = t.pool.locate(picked_np, pos)
+        blocks, offsets = t.locate(picked_np, pos)
         view_pos = np.where(is_live, pos, nblk * bs - 1).astype(np.int32)  # a padding row sees ZERO blocks only
         key = (len(picked), prefix, nblk, rows.all_greedy, rows.use_sort, rows.seen is not None,
                rows.counts is not None, masks is not None, top_n)
@@ -230,15 +230,24 @@ class RowParams:
         for name in ("temperature", "top_k", "top_p", "min_p", "penalty", "seeds"):
             setattr(sub, name, getattr(self, name)[idx])
         sub.seen = None if self.seen is None else self.seen[idx]
-        sub.bias = None if self.bias is None else self.bias[idx]
+        for name in ("counts", "bias", "presence", "frequency"):
+            a = getattr(self, name)
+            setattr(sub, name, None if a is None else a[idx])
         sub.use_sort, sub.all_greedy = self.use_sort, self.all_greedy
         return sub
 
-    def reset_seen(self, rows: list[int], prompts: list[list[int]]):
-        """Start the histories of newly admitted rows: the prompt for the repetition penalty, nothing
-        generated yet for the presence and frequency penalties."""
+    def reset_seen(self, rows: list[int], prompts: list[list[int]], generated: list[list[int]] | None = None):
+        """Start the histories of newly admitted rows: what they prefill (``prompts``) for the
+        repetition penalty, and the tokens they ``generated`` before (none, unless a preempted row
+        is resumed) for the presence and frequency penalties."""
         if self.counts is not None:
             self.counts[mx.array(rows)] = 0.0
+            again = [(r, g) for r, g in zip(rows, generated or ()) if g]
+            if again:
+                counts = np.zeros((len(again), self.vocab), dtype=np.float32)
+                for i, (_, g) in enumerate(again):
+                    counts[i] = np.bincount(g, minlength=self.vocab)
+                self.counts[mx.array([r for r, _ in again])] = mx.array(counts)
         if self.seen is None:
             return
         self.seen[mx.array(rows)] = False

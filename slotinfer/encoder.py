@@ -25,7 +25,7 @@ import mlx.core as mx
 from . import device
 from .cache import window_mask
 from .models.transformer import layer_by_layer
-from .sampling import logprobs_of, penalize, sample
+from .sampling import adjust, logprobs_of, penalize, sample
 from .structured import apply_mask
 from .slots import PrefillView, SlotTable
 
@@ -103,21 +103,24 @@ class Encoder:
         """Pick items (FIFO) and their next chunks so the padded call stays within the token budget."""
         picked, width = [], 0
         for item in pending:
-            left = len(item.prompt) - item.prefilled
+            feed = item.feed
+            left = len(feed) - item.prefilled
             size = min(left, self.budget)
             w = max(width, size)
             if picked and not fits(w, len(picked) + 1, self.budget):
                 break
             width = w
             start = item.prefilled
-            picked.append((item, Chunk(item.slot, start, item.prompt[start:start + size], start + size == len(item.prompt))))
+            picked.append((item, Chunk(item.slot, start, feed[start:start + size], start + size == len(feed))))
         return picked
 
-    def run(self, chunks: list[Chunk], rows_params, *, top_n: int = -1, mask=None):
+    def run(self, chunks: list[Chunk], rows_params, *, top_n: int = -1, mask=None, steps=None):
         """Prefill ``chunks``; returns the first sampled token (and logprobs) of each completed row, lazily.
 
         ``rows_params`` holds [m] sampling arrays for the rows with ``last=True``, in order, and
-        ``mask`` (or None) their [m, words] bitmasks of allowed tokens.
+        ``mask`` (or None) their [m, words] bitmasks of allowed tokens.  ``steps`` ([m] uint32, None:
+        zeros) is the sampling step of each row's token: the count of tokens it generated before (a
+        preempted request recomputed resumes at its own).
         """
         width = max(len(c.tokens) for c in chunks)
         lens = [len(c.tokens) for c in chunks]
@@ -133,12 +136,12 @@ class Encoder:
         raw = logits
         if p.seen is not None:
             logits = penalize(logits, p.seen, p.penalty)
-        if p.bias is not None:  # nothing is generated yet: of the adjustments, only logit_bias applies
-            logits = logits + p.bias
+        if p.counts is not None:  # the presence and frequency penalties count what a resumed row generated
+            logits = adjust(logits, p.bias, p.counts, p.presence, p.frequency)
         if mask is not None:
             logits = apply_mask(logits, mask)
         first = sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seeds,
-                       mx.zeros(len(done), dtype=mx.uint32), use_sort=p.use_sort)
+                       mx.zeros(len(done), dtype=mx.uint32) if steps is None else steps, use_sort=p.use_sort)
         extra = list(logprobs_of(raw, first, top_n)) if top_n >= 0 else []
         return first, [e for e in extra if e is not None]
 

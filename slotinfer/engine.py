@@ -125,7 +125,7 @@ class Engine:
         mx.eval(self.tokens, self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.min_p,
                 self.rows.penalty, self.rows.seeds, self.rows.steps)
         self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, prefill_s=0.0, step_s=0.0,
-                             occupancy=0, submitted=0)
+                             occupancy=0, submitted=0, preempted=0)
         self._t0 = time.perf_counter()
 
     # -- requests -------------------------------------------------------------
@@ -246,24 +246,27 @@ class Engine:
 
     def _occupancy_changed(self, admitted):
         self.rows.set(self.items.by_slot)
-        self.rows.reset_seen([it.slot for it in admitted], [it.prompt for it in admitted])
+        self.rows.reset_seen([it.slot for it in admitted], [it.feed for it in admitted],
+                             [it.tokens for it in admitted])
 
     # -- the prefix cache ---------------------------------------------------------
 
     def _reuse(self, admitted):
-        """Newly admitted items start from the longest cached prefix of their prompt: its K/V is
-        copied into their slot, and the Encoder prefills only the rest (at least the last token,
-        whose logits give the first one)."""
+        """Newly admitted items start from the longest cached prefix of what they prefill (their
+        prompt, and a resumed item's tokens): its K/V is copied into their slot, and the Encoder
+        prefills only the rest (at least the last token, whose logits give the next one)."""
         cache = self.prefix_cache
         if cache is None:
             return
         for it in admitted:
-            blocks = cache.match(it.prompt, it.salt, limit=len(it.prompt) - 1)
+            blocks = cache.match(it.feed, it.salt, limit=len(it.feed) - 1)
             if blocks:
                 self.table.write(it.slot, mx.concatenate([b.keys for b in blocks], axis=2),
                                  mx.concatenate([b.values for b in blocks], axis=2))
-                it.prefilled = it.cached = len(blocks) * cache.block_size
-                self.table.lengths[it.slot] = it.cached
+                it.prefilled = len(blocks) * cache.block_size
+                if it.feed is it.prompt:  # its first admission: what the usage reports
+                    it.cached = it.prefilled
+                self.table.lengths[it.slot] = it.prefilled
 
     def _cache(self, item: Item, tokens):
         """Copy the full blocks of ``tokens`` (what ``item``'s slot holds from position 0) that the
@@ -288,15 +291,17 @@ class Engine:
         done = [it for it, c in plan if c.last]
         top_n = self._top_n([*self.items.running(), *done])
         masks = self._masks(done)
+        resumed = any(len(it.tokens) for it in done)
         out = self.encoder.run([c for _, c in plan], self.rows.take([it.slot for it in done]) if done else None,
                                top_n=top_n, mask=mx.array(masks[[it.slot for it in done]]) if masks is not None
-                               else None)
+                               else None,
+                               steps=mx.array([len(it.tokens) for it in done], dtype=mx.uint32) if resumed else None)
         for it, c in plan:
             it.prefilled += len(c.tokens)
             self.table.lengths[it.slot] += len(c.tokens)
             self.counters["prefill_tokens"] += len(c.tokens)
             if self.prefix_cache is not None:  # chunk by chunk: a request admitted meanwhile hits what is in
-                self._cache(it, it.prompt[: it.prefilled])
+                self._cache(it, it.feed[: it.prefilled])
         if done:
             first, extra = out
             slots = mx.array([it.slot for it in done])
@@ -304,7 +309,7 @@ class Engine:
             self._first_extra = [spread(e, slots, self.slots) for e in extra]
             for it in done:
                 self.items.prefilled(it)
-                it.issued, self.gen[it.slot] = 1, 1
+                it.issued = self.gen[it.slot] = len(it.tokens) + 1  # more than 0 tokens: a resumed item
         # A fresh prefill attends to its own K/V, so the tokens do not depend on the cache
         # writes: evaluated here, or a batch that never decodes (max_tokens=1) would leave
         # them lazy and chain every later batch's graph onto them.
@@ -319,9 +324,10 @@ class Engine:
         (its row idles), and when no item needs one, no step runs: the Encoder's
         first tokens then travel to the host on their own.
         """
-        running = self.items.running()
-        if not running:
+        if not self.items.running():
             return None
+        self._make_room(firsts)
+        running = self.items.running()
         needed = [it for it in running if it.issued < it.max_tokens and it.in_step]
         if not needed and not firsts:
             return None
@@ -355,6 +361,32 @@ class Engine:
             self.counters["steps"] += 1
             self.counters["occupancy"] += len(needed)
         return issued
+
+    def _make_room(self, firsts: list[Item]):
+        """Give each row the decode step computes the block its token is written to.
+
+        When the free blocks fall short, the step in flight is read back first (the items it
+        finishes give theirs back); then the newest request in a slot is preempted (back to the
+        front of the FIFO, recomputed when blocks are free again), and again, until the rest fit.
+        The oldest always fits alone (``make_item`` refuses what does not), so it always progresses.
+        """
+        table = self.table
+        while True:
+            needed = [it for it in self.items.running() if it.issued < it.max_tokens and it.in_step]
+            slots = [it.slot for it in needed]
+            tokens = [int(table.lengths[s]) + 1 for s in slots]
+            if not table.short(slots, tokens):
+                table.hold(slots, tokens)
+                return
+            if self._pending is not None:
+                previous, self._pending = self._pending, None
+                self._process(previous)
+                continue
+            victim = max((it for it in self.items.by_slot if it is not None), key=lambda it: it.id)
+            if victim in firsts:
+                firsts.remove(victim)  # its first token, not yet read, is computed again on its return
+            self.items.preempt(victim)
+            self.counters["preempted"] += 1
 
     def _top_n(self, items) -> int:
         """The top logprobs a step computes for ``items``: -1 (none), 0 (the chosen token's) or a

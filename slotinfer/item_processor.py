@@ -8,7 +8,8 @@ their slots and admits waiting items into them.
 
 An item's :class:`State` changes only through :meth:`ItemProcessor.move`, along
 :data:`TRANSITIONS`: waiting -> prefilling -> decoding -> finished, and cancelled or
-failed from any state that has not ended.
+failed from any state that has not ended.  A preempted item (:meth:`ItemProcessor.preempt`:
+the K/V pool ran short) goes from its slot back to the front of the FIFO, to be recomputed.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class State(enum.Enum):
 _END = {State.CANCELLED, State.FAILED}
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.WAITING: frozenset({State.PREFILLING, *_END}),
-    State.PREFILLING: frozenset({State.DECODING, *_END}),
-    State.DECODING: frozenset({State.FINISHED, *_END}),
+    State.PREFILLING: frozenset({State.DECODING, State.WAITING, *_END}),  # waiting again: preempted
+    State.DECODING: frozenset({State.FINISHED, State.WAITING, *_END}),
     State.FINISHED: frozenset(), State.CANCELLED: frozenset(), State.FAILED: frozenset(),
 }
 
@@ -68,7 +69,8 @@ class Item:
     on_token: object = None
     held: bool = False  # given to the ItemProcessor (ItemProcessor.add)
     slot: int = -1
-    prefilled: int = 0
+    prefilled: int = 0  # tokens of ``feed`` whose K/V its slot holds
+    feed: list[int] = None  # what its slot prefills: the prompt, and after a preemption also the tokens generated
     salt: str | None = None  # the prefix cache's tenant: only requests with the same salt share blocks
     cached: int = 0  # prompt tokens whose K/V came from the prefix cache
     presence: float = 0.0  # presence and frequency penalties, logit_bias: the step's logit adjustments
@@ -87,10 +89,19 @@ class Item:
     t_first: float = 0.0
 
 
+    def __post_init__(self):
+        if self.feed is None:
+            self.feed = self.prompt
+
     @property
     def reserved(self) -> int:
         """Tokens whose K/V its slot may come to hold: the prompt and every token but the last."""
         return len(self.prompt) + self.max_tokens - 1
+
+    @property
+    def admission(self) -> int:
+        """Tokens its slot holds from admission on: what it prefills, and the first decode step's write."""
+        return min(len(self.feed) + 1, self.reserved)
 
     @property
     def adjusts(self) -> bool:
@@ -145,7 +156,7 @@ class ItemProcessor:
     def room(self) -> int:
         """Items the engine could admit now (free slots not already promised to waiting items); negative:
         the backlog.  While the first waiting item waits for K/V blocks, every waiting item is backlog."""
-        if self.waiting and self.free and not self.table.can_admit(self.waiting[0].reserved):
+        if self.waiting and self.free and not self.table.can_admit(self.waiting[0].admission):
             return -len(self.waiting)
         return len(self.free) - len(self.waiting)
 
@@ -160,10 +171,10 @@ class ItemProcessor:
             self.cancelled.put(item)
 
     def admit(self) -> list[Item]:
-        """Move waiting items (FIFO) into free slots while the pool's free blocks hold their prompt
-        and ``max_tokens`` (reserved at admission); returns the newly admitted.  The first waiting
-        item that does not fit waits, and those behind it with it: a long request is never
-        overtaken for ever by short ones."""
+        """Move waiting items (FIFO) into free slots while the pool's free blocks hold what they
+        prefill (:attr:`Item.admission`; later blocks are taken as decoding reaches them); returns
+        the newly admitted.  The first waiting item that does not fit waits, and those behind it
+        with it: a long request is never overtaken for ever by short ones."""
         admitted = []
         while self.free and self.waiting:
             item = self.waiting[0]
@@ -171,16 +182,35 @@ class ItemProcessor:
                 self.waiting.popleft()
                 self.finish(item, "cancelled")
                 continue
-            if not self.table.can_admit(item.reserved):
+            if not self.table.can_admit(item.admission):
                 break
             self.waiting.popleft()
             item.slot = self.free.pop(0)
             self.move(item, State.PREFILLING)
             item.t_admit = time.perf_counter()
             self.by_slot[item.slot] = item
-            self.table.admit(item.slot, item.reserved)
+            self.table.admit(item.slot, item.admission)
             admitted.append(item)
         return admitted
+
+    def preempt(self, item: Item):
+        """Take ``item`` out of its slot and put it first in the FIFO: its blocks go back to the pool,
+        and when it is admitted again its slot recomputes the K/V of its prompt and of the tokens it
+        has (its ``feed``), then goes on decoding.  Nothing it streamed is sent again."""
+        if self.on_release is not None:
+            self.on_release(item)  # what it held enters the prefix cache: its recompute may start from there
+        self._free_slot(item)
+        item.slot, item.prefilled = -1, 0
+        item.feed = item.prompt + item.tokens
+        item.issued = len(item.tokens)
+        self.move(item, State.WAITING)
+        self.waiting.appendleft(item)
+
+    def _free_slot(self, item: Item):
+        self.by_slot[item.slot] = None
+        self.table.release(item.slot)
+        self.free.append(item.slot)
+        self.free.sort()
 
     def reap_cancelled(self):
         """End the cancelled items held (a no-op for one that ended meanwhile).
@@ -256,10 +286,7 @@ class ItemProcessor:
         if item.slot >= 0 and self.by_slot[item.slot] is item:
             if self.on_release is not None and error is None and reason != "error":
                 self.on_release(item)
-            self.by_slot[item.slot] = None
-            self.table.release(item.slot)
-            self.free.append(item.slot)
-            self.free.sort()
+            self._free_slot(item)
         self.move(item, State.FAILED if error is not None or reason == "error" else
                   State.CANCELLED if reason == "cancelled" else State.FINISHED)
         self.finished += 1

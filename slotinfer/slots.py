@@ -2,10 +2,12 @@
 
 Each of the ``b`` slots holds one item's K/V, kept in blocks of a pool shared by every slot
 (:class:`~slotinfer.kv.BlockPool`): per layer one ``[num_blocks, kv_heads, block_size, head_dim]``
-array, bounded by a byte budget (``kv_cache_bytes``) and grown to it as admissions need blocks, and a block table per slot naming its blocks
-in order.  Memory follows the tokens admitted, not ``slots x max_len``: a slot takes the blocks
-of its prompt and ``max_tokens`` when its item is admitted (:meth:`SlotTable.admit`, a
-reservation, so a running item never runs short) and gives them back when it ends.
+array, bounded by a byte budget (``kv_cache_bytes``), and a block table per slot naming its blocks
+in order.  Memory follows the tokens held, not ``slots x max_len``: a slot takes the blocks of
+its prompt when its item is admitted (:meth:`SlotTable.admit`), one more each time decoding
+crosses a block boundary (:meth:`SlotTable.hold`; the engine preempts the newest item when none
+is free), and gives them back when it ends.  The device arrays hold the blocks in use, grown by a
+quarter as needed (:meth:`SlotTable.fit`) and cut back when the pool is idle.
 ``lengths[b]`` says how many tokens each slot holds and ``new_batch_idx[b]`` which slots still
 await their prompt, as in the seed design.  Writes of padding and of idle rows land in the pool's
 ``TRASH`` block, so no real position is ever clobbered and no shape has to change.  The model never
@@ -24,6 +26,9 @@ from .errors import OutOfMemoryError
 from .kv import KV_BLOCK_SIZE, RESERVED, BlockPool, block_bytes, blocks_for_budget, write_index
 
 __all__ = ["SlotTable", "PrefillView", "scatter", "default_kv_cache_bytes"]
+
+
+_GROWTH = 16  # blocks: the arrays' size when idle, and the least they grow by
 
 
 def default_kv_cache_bytes(want: int, device_kind=None) -> int:
@@ -58,13 +63,14 @@ class SlotTable:
         _check_fits(num_blocks * each, int(kv_cache_bytes))
         self.pool = BlockPool(num_blocks, block_size, slots=slots, max_blocks=self.max_blocks)
         self.num_blocks = num_blocks
-        # The device arrays hold the blocks handed out so far, grown (doubling) as admissions need
-        # more, up to the budget: an idle engine holds the reserved blocks and one request's.
-        # The pool hands out its lowest free ids first, so the ids in use stay packed at the start.
+        # The device arrays hold the blocks in use (the pool hands out its lowest free ids first, so
+        # those stay packed at the start), grown as they need more, up to the budget, and cut back to
+        # ``idle_blocks`` when nothing is held: an idle engine holds the reserved blocks and 16 more.
         self.keys = [mx.zeros((0, self.kv_heads, block_size, self.head_dim), dtype=dtype)
                      for _ in range(config.num_layers)]
         self.values = [mx.zeros_like(k) for k in self.keys]
-        self._grow_arrays(min(num_blocks, RESERVED + self.max_blocks))
+        self.idle_blocks = min(num_blocks, RESERVED + min(self.max_blocks, _GROWTH))
+        self._resize(self.idle_blocks)
         # Host-side, per slot: tokens cached (0: empty; a decode step writes its token there), and
         # a newly admitted slot's place in the prefill queue, FIFO (-1: not new, its prompt is in).
         self.lengths = np.zeros(slots, dtype=np.int32)
@@ -82,21 +88,42 @@ class SlotTable:
         return self.pool.can_allocate(self.pool.blocks_for(tokens))
 
     def admit(self, slot: int, tokens: int):
-        """``slot`` takes a new item of up to ``tokens`` tokens (its prompt and ``max_tokens``):
-        empty, its blocks reserved, its prompt last in the prefill queue."""
+        """``slot`` takes a new item holding ``tokens`` tokens (what it prefills): empty, their blocks
+        taken, its prompt last in the prefill queue."""
         self.lengths[slot] = 0
-        new = self.pool.grow(slot, tokens)
-        if new and max(new) >= self.keys[0].shape[0]:
-            self._grow_arrays(min(self.num_blocks, max(max(new) + 1, 2 * self.keys[0].shape[0])))
+        self.pool.grow(slot, tokens)
         self.new_batch_idx[slot] = int(np.count_nonzero(self.new_batch_idx >= 0))
 
-    def _grow_arrays(self, blocks: int):
-        """Make each layer's arrays hold ``blocks`` blocks (new ones zero, as ZERO must stay)."""
+    def short(self, slots, tokens) -> int:
+        """Blocks missing from the free ones for each of ``slots`` to hold its ``tokens`` (0: they fit)."""
+        need = sum(self.pool.needed(s, int(n)) for s, n in zip(slots, tokens))
+        return max(0, need - self.pool.num_free)
+
+    def hold(self, slots, tokens):
+        """Grow each of ``slots`` to hold its ``tokens`` tokens (check :meth:`short` first)."""
+        for s, n in zip(slots, tokens):
+            self.pool.grow(s, int(n))
+
+    def fit(self):
+        """Make the arrays hold every block in use: grown by at least a quarter (and 16 blocks) at a
+        time, as each growth copies them, never past the budget.  :meth:`locate` calls it, so the blocks taken
+        in one step (a burst of admissions) grow the arrays once."""
         have = self.keys[0].shape[0]
-        more = (blocks - have, self.kv_heads, self.block_size, self.head_dim)
+        need = int(self.pool.tables.max()) + 1
+        if need > have:
+            self._resize(min(self.num_blocks, max(need, have + max(have // 4, _GROWTH))))
+
+    def _resize(self, blocks: int):
+        """Make each layer's arrays hold ``blocks`` blocks, the first ones kept (new ones zero, as
+        ZERO must stay)."""
+        have = self.keys[0].shape[0]
         for kv in (self.keys, self.values):
             for layer, a in enumerate(kv):
-                kv[layer] = mx.concatenate([a, mx.zeros(more, dtype=a.dtype)])
+                if blocks > have:
+                    more = (blocks - have, self.kv_heads, self.block_size, self.head_dim)
+                    kv[layer] = mx.concatenate([a, mx.zeros(more, dtype=a.dtype)])
+                else:
+                    kv[layer] = mx.zeros((blocks, *a.shape[1:]), dtype=a.dtype)  # nothing held: nothing to keep
                 mx.eval(kv[layer])  # one layer at a time: the old array is freed before the next is copied
 
     def new_slots(self) -> list[int]:
@@ -116,11 +143,19 @@ class SlotTable:
         self.prompt_in(slot)
         self.lengths[slot] = 0
         self.pool.release_slot(slot)
+        if self.pool.num_used == 0 and self.keys[0].shape[0] > self.idle_blocks:
+            self._resize(self.idle_blocks)  # idle: the memory of a burst goes back
+
+    def locate(self, slots, positions):
+        """The pool's :meth:`~slotinfer.kv.BlockPool.locate`, once the arrays hold every block in use:
+        the one way to a write's place."""
+        self.fit()
+        return self.pool.locate(np.asarray(slots), np.asarray(positions))
 
     def index(self, slots, positions):
         """Flat write offsets (:func:`~slotinfer.kv.write_index`) of tokens at ``positions``
         ([n] or [n, L], numpy; negative: padding, written to TRASH) of ``slots`` [n]."""
-        blocks, offsets = self.pool.locate(np.asarray(slots), np.asarray(positions))
+        blocks, offsets = self.locate(slots, positions)
         if blocks.ndim == 1:
             blocks, offsets = blocks[:, None], offsets[:, None]
         return write_index(mx.array(blocks), mx.array(offsets), kv_heads=self.kv_heads, block_size=self.block_size,

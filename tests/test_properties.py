@@ -141,9 +141,11 @@ def test_every_item_ends_exactly_once(models, reqs, slots, cancels, raisers):
 @given(data=st.data(), slots=st.integers(1, 4), blocks=st.integers(1, 4), prefill=st.sampled_from([64, 512]))
 def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, family, data, slots, blocks, prefill):
     """A K/V pool of a few blocks holds fewer requests than the slots: the others wait in the FIFO
-    for blocks.  One that cannot fit even alone is refused at submit, naming max_tokens; every
-    other ends exactly once (cancelled or with its solo tokens), the pool never holds more than
-    the reservations of the items in slots, and every block is back in the pool at the end."""
+    for blocks, and running ones that cross into a block none is free for preempt the newest, which
+    resumes later by recompute.  One that cannot fit even alone is refused at submit, naming
+    max_tokens; every other ends exactly once (cancelled, or with its solo tokens, greedy or seeded),
+    its stream carries each token once, a slot holds the blocks of its tokens and at most those of
+    its prompt and max_tokens, and every block is back in the pool at the end."""
     m = models[family]
     cfg = m.config
     each = block_bytes(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -151,12 +153,13 @@ def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, f
     engine = Engine(m, slots=slots, max_len=600, prefill_tokens=prefill, kv_cache_bytes=(blocks + 2) * each,
                     prefix_cache_bytes=0)
     reqs = data.draw(st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(3, 500), min_size=1, max_size=300),
-                                        st.integers(1, 12)), min_size=1, max_size=6))
+                                        st.integers(1, 48), st.sampled_from([{}, dict(temperature=0.9, seed=3)])),
+                              min_size=1, max_size=6))
     cancels = data.draw(st.dictionaries(st.integers(0, 5), st.integers(0, 12), max_size=2))
     handles, refused, step = {}, set(), 0
     pool = engine.table.pool
     while engine.busy or len(handles) + len(refused) < len(reqs):
-        for i, (arrival, ids, n) in enumerate(reqs):
+        for i, (arrival, ids, n, sampling) in enumerate(reqs):
             if arrival == step:
                 need = -(-(len(ids) + n - 1) // KV_BLOCK_SIZE)
                 if need > blocks:
@@ -165,7 +168,7 @@ def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, f
                     assert e.value.param == "max_tokens" and "kv_cache_bytes" in str(e.value)
                     refused.add(i)
                     continue
-                item = engine.make_item(ids, max_tokens=n, ignore_eos=True)
+                item = engine.make_item(ids, max_tokens=n, ignore_eos=True, **sampling)
                 engine.add(item)
                 handles[i] = item.handle
         for i, at in cancels.items():
@@ -173,13 +176,17 @@ def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, f
                 handles[i].cancel()
         engine.step()
         held = [it for it in engine.items.by_slot if it is not None]
-        assert pool.num_used == sum(-(-it.reserved // KV_BLOCK_SIZE) for it in held) <= blocks
+        for it in held:
+            assert -(-int(engine.table.lengths[it.slot]) // KV_BLOCK_SIZE) <= pool.held[it.slot]
+            assert pool.held[it.slot] <= -(-it.reserved // KV_BLOCK_SIZE)
+        assert pool.num_used == sum(pool.held[it.slot] for it in held) <= blocks
         step += 1
     assert engine.items.finished == len(handles)
     for i, h in handles.items():
         c = h.result(0)
-        assert len(list(h)) <= len(c.tokens) + 1  # the stream ended once
+        streamed = [e.token for e in h]
+        assert streamed == c.tokens[: len(streamed)]  # each token once, in order, and the stream ended once
         if c.finish_reason != "cancelled":
-            assert c.tokens == m.generate(reqs[i][1], max_tokens=reqs[i][2], ignore_eos=True).tokens
+            assert c.tokens == m.generate(reqs[i][1], max_tokens=reqs[i][2], ignore_eos=True, **reqs[i][3]).tokens
     assert pool.num_free == blocks and pool.num_used == 0 and not pool.tables.any()
     assert engine.items.free == list(range(slots))

@@ -195,6 +195,7 @@ def test_health_models_and_metrics(client, server):
     blocks = inf.memory()["blocks"]
     assert values["slotinfer_kv_blocks_used"] + values["slotinfer_kv_blocks_free"] == blocks > 0
     assert values["slotinfer_kv_block_tokens"] == inf.memory()["block_tokens"]
+    assert values["slotinfer_preempted_total"] == inf.stats()["preempted"] == 0
 
 
 def test_a_request_the_kv_pool_cannot_hold_is_a_400_naming_max_tokens(model):

@@ -101,13 +101,32 @@ def test_offsets_widen_to_int64_only_past_int32():
     assert int(last[-1].item()) == 2500 * 8 * 1024 * 128 - 1  # no wrap-around
 
 
-def test_the_arrays_grow_with_admissions_up_to_the_budget_and_keep_what_they_hold():
+def test_the_arrays_grow_with_the_blocks_in_use_up_to_the_budget_keep_what_they_hold_and_shrink_when_idle():
     t = _table(4, 1, 8, 2, 4, 2 + 8)  # 8 usable blocks of 4 tokens; a slot holds 2
     assert t.keys[0].shape[0] == 2 + 2 and t.stats()["kv_cache_budget_bytes"] == 10 * t.block_nbytes
     t.admit(0, 8)
     t.write(0, mx.ones((1, 1, 8, 2)), mx.ones((1, 1, 8, 2)))
     for s in (1, 2, 3):
         t.admit(s, 8)
+    assert t.keys[0].shape[0] == 4  # blocks taken; the arrays grow when a write needs them
+    t.fit()
     assert t.keys[0].shape[0] == 10 and t.nbytes == 10 * t.block_nbytes
     np.testing.assert_array_equal(np.asarray(t.read(0, 0, 8)[0]), np.ones((1, 1, 8, 2)))
     assert not np.any(np.asarray(t.keys[0][0]))  # ZERO stays zero
+    for s in (3, 2, 1):
+        t.release(s)
+    assert t.keys[0].shape[0] == 10  # slot 0 still holds its blocks
+    t.release(0)
+    assert t.keys[0].shape[0] == 4 and t.stats()["blocks_used"] == 0  # idle: back to one request's
+
+
+def test_the_arrays_grow_by_a_quarter_at_least_so_a_run_of_growth_copies_them_a_few_times():
+    t = _table(40, 1, 8, 2, 4, 2 + 80)
+    sizes = [t.keys[0].shape[0]]
+    for s in range(40):
+        t.hold([s], [8])
+        t.fit()
+        sizes.append(t.keys[0].shape[0])
+    grown = [(a, b) for a, b in zip(sizes, sizes[1:]) if b != a]
+    assert sizes[-1] == 82 and all(b >= min(82, a + a // 4) for a, b in grown)  # never past the budget
+    assert len(grown) <= 14  # from 4 to 82 blocks: log(82 / 4) / log(1.25) < 14, where one a block would be 78

@@ -21,11 +21,12 @@ class Metrics:
               registry=r).set_function(stat("prefill_tokens_per_s"))
         Gauge("slotinfer_decode_tokens_per_second", "Decode tokens/s since start (time in engine steps only)",
               registry=r).set_function(stat("decode_tokens_per_s"))
-        Gauge("slotinfer_kv_blocks_used", "K/V pool blocks held by requests (reserved at admission)",
+        Gauge("slotinfer_kv_blocks_used", "K/V pool blocks held by requests",
               registry=r).set_function(stat("blocks_used"))
         Gauge("slotinfer_kv_blocks_free", "K/V pool blocks free", registry=r).set_function(stat("blocks_free"))
         Gauge("slotinfer_kv_block_tokens", "Tokens one K/V block holds", registry=r).set_function(stat("block_tokens"))
         r.register(PrefixCacheCollector(inferencer))
+        r.register(PreemptedCollector(inferencer))
         self.requests = Counter("slotinfer_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("slotinfer_prompt_tokens", "Prompt tokens taken", registry=r)
@@ -70,6 +71,20 @@ class PrefixCacheCollector:
             g = GaugeMetricFamily(f"slotinfer_prefix_cache_{key}", text)
             g.add_metric([], st.get(key, 0))
             yield g
+
+
+class PreemptedCollector:
+    """Requests preempted so far (the K/V pool ran short; each resumed by recompute)."""
+
+    def __init__(self, inferencer):
+        self.inferencer = inferencer
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield CounterMetricFamily("slotinfer_preempted", "Requests preempted because the K/V pool ran short, "
+                                  "each resumed later by recompute", value=self.inferencer.stats().get("preempted", 0))
 
 
 class Timer:
