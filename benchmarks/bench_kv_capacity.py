@@ -3,7 +3,8 @@
 A contiguous table reserves ``max_len + 1`` tokens of K/V per slot whatever a request holds, so a
 budget of ``--budget`` bytes holds ``budget // ((max_len + 1) * bytes_per_token)`` slots (the
 previous design's formula, exact).  The block pool admits a request when its free blocks hold
-the request's prompt and ``max_tokens``: here ``--requests`` prompts of ``--min``..``--max``
+its prompt, and gives it a block more as its output crosses each block boundary, preempting the newest request
+when none is free: here ``--requests`` prompts of ``--min``..``--max``
 random tokens (uniform) and ``--max-tokens`` each are submitted at once to an engine of
 ``--slots`` slots and a pool of ``--budget`` bytes, and the requests holding a slot are counted
 after each step until all have ended (only the admissions are of interest: ``--steps`` bounds the
@@ -57,8 +58,8 @@ def main():
     print("| design | requests held at once |")
     print("|---|---:|")
     print(f"| contiguous slots x max_len ({max_len + 1} tokens a slot) | {contiguous} |")
-    print(f"| block pool ({s['blocks']} blocks of {s['block_tokens']} tokens; {s['blocks_used']} used) | "
-          f"{max(held)} |")
+    print(f"| block pool ({s['blocks']} blocks of {s['block_tokens']} tokens; {s['blocks_used']} used; "
+          f"{s.get('preempted', 0)} preempted in {args.steps} steps) | {max(held)} |")
     print(f"ratio: {max(held) / contiguous:.2f}x")
 
 

@@ -3,6 +3,7 @@ peak while it serves 64 concurrent prompts of about 500 tokens.
 
     python benchmarks/bench_serve_rss.py                      # SmolLM2-135M-Instruct
     python benchmarks/bench_serve_rss.py --slots 64 --max-len 8192 --prompt-tokens 500 --max-tokens 64
+    python benchmarks/bench_serve_rss.py -- --no-prefix-cache   # what follows -- goes to slotinfer serve
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def main():
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--prompt-tokens", type=int, default=500)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("serve_args", nargs="*", help="more options of slotinfer serve, after --")
     a = ap.parse_args()
-    server = ServerProcess(default_model.path(), a.slots, a.max_len)
+    server = ServerProcess(default_model.path(), a.slots, a.max_len, extra=a.serve_args)
     try:
         pid = server.proc.pid
         time.sleep(2)
@@ -67,7 +69,7 @@ def main():
     finally:
         server.close()
     gib = 2**30
-    print(f"slotinfer serve --slots {a.slots} --max-len {a.max_len}: idle RSS {idle / gib:.2f} GiB; "
+    print(f"slotinfer serve --slots {a.slots} --max-len {a.max_len} {' '.join(a.serve_args)}: idle RSS {idle / gib:.2f} GiB; "
           f"{a.slots} concurrent prompts of {min(lens)}-{max(lens)} tokens, {a.max_tokens} new tokens each, "
           f"in {wall:.0f} s: peak RSS {peak[0] / gib:.2f} GiB, {after / gib:.2f} GiB after")
 

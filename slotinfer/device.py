@@ -133,6 +133,15 @@ def retain_freed_memory(device=None) -> bool:
     return _kind(device) == "cpu" and allocator.retain_freed_memory()
 
 
+def release_free_memory(device=None) -> None:
+    """Hand memory the process no longer uses back to the system, after a rare large release (the
+    K/V pool's arrays cut back when idle): glibc's free heap on CPU, MLX's buffer cache on a GPU."""
+    if _kind(device) == "cpu":
+        allocator.release_free_memory()
+    else:
+        mx.clear_cache()
+
+
 def keep_quantized(device=None, override: bool | None = None) -> bool:
     """Whether quantized weights stay quantized (GPU) or are dequantized at load (CPU)."""
     if override is not None:

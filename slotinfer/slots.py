@@ -144,7 +144,8 @@ class SlotTable:
         self.lengths[slot] = 0
         self.pool.release_slot(slot)
         if self.pool.num_used == 0 and self.keys[0].shape[0] > self.idle_blocks:
-            self._resize(self.idle_blocks)  # idle: the memory of a burst goes back
+            self._resize(self.idle_blocks)  # idle: the memory of a burst goes back to the system
+            device.release_free_memory()
 
     def locate(self, slots, positions):
         """The pool's :meth:`~slotinfer.kv.BlockPool.locate`, once the arrays hold every block in use:
