@@ -103,10 +103,12 @@ def test_label_scores_are_exact_sequence_logprobs(tiny, family):
     shared = classify(model, sentences, labels=labels, label_prefix=" ", prefix=prefix, token_budget=24)
     alone = classify(model, sentences, labels=labels, label_prefix=" ", prefix=prefix, share_prefix=False,
                      token_budget=64)
-    for s, a, b in zip(sentences, shared, alone):
+    # a budget of 3 tokens: every (sentence, label) continuation is a forward of its own
+    split = classify(model, sentences, labels=labels, label_prefix=" ", prefix=prefix, token_budget=3)
+    for s, a, b, c in zip(sentences, shared, alone, split):
         ids = pre_ids + model.tokenizer.encode(s, add_special_tokens=False)
         want = ref_label_scores(model, ids, lab_ids)
-        for r in (a, b):
+        for r in (a, b, c):
             got = np.array([r.scores[name] for name in labels])
             np.testing.assert_allclose(got, want, atol=ATOL)
             assert r.label == labels[int(np.argmax(want))] and r.token == lab_ids[labels.index(r.label)][0]
