@@ -439,13 +439,15 @@ class ClassifyJob:
                     out = stop.value
                     arrays = list(out.values())
                 mx.async_eval(arrays)  # computes while the one before it is read back (or a decode step runs)
-                if self._ready:
-                    self.finish_queued()
-                elif before is not None:
+                earlier = len(self._ready)
+                if out is not None:  # queued whole: interrupted, it is finished before the interrupt goes on
+                    self._ready.append((batch, out))
+                for _ in range(earlier):
+                    self._finish(*self._ready[0])
+                    self._ready.pop(0)
+                if not earlier and before is not None:
                     mx.eval(before)
                 before = arrays
-                if out is not None:
-                    self._ready.append((batch, out))
                 yield
         self.finish_queued()
 
