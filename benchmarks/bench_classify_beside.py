@@ -58,6 +58,8 @@ def main(argv=None):
     ap.add_argument("--inputs", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=150)
     ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--runs", default="alone,thread,worker",
+                    help="which runs, comma-separated (a tree without Inferencer.submit_classify: alone,thread)")
     args = ap.parse_args(argv)
     model = slotinfer.load(args.model or default_model.path())
     rng = random.Random(0)
@@ -66,11 +68,12 @@ def main(argv=None):
     kw = dict(labels=labels, label_prefix=" ", prefix="Topic of the sentence: ", token_budget=args.prefill_tokens)
     print(f"{args.labels} labels ({sum(len(s) for s in labels)} bytes), {args.inputs} input(s), "
           f"a {args.tokens}-token greedy stream, prefill_tokens {args.prefill_tokens}, device {mx.default_device()}")
-    rows = []
+    rows, runs = [], args.runs.split(",")
     with slotinfer.Inferencer(model, slots=4, max_len=512, prefill_tokens=args.prefill_tokens) as inf:
         stream(inf, 8)  # warm up
-        total, gaps = stream(inf, args.tokens)
-        rows.append(("alone", total, gaps, None))
+        if "alone" in runs:
+            total, gaps = stream(inf, args.tokens)
+            rows.append(("alone", total, gaps, None))
 
         took = {}
 
@@ -82,17 +85,19 @@ def main(argv=None):
                 mx.synchronize(s)
             took["s"] = time.perf_counter() - t0
 
-        t = threading.Thread(target=beside)
-        t.start()
-        total, gaps = stream(inf, args.tokens)
-        t.join()
-        rows.append(("thread", total, gaps, took["s"]))
+        if "thread" in runs:
+            t = threading.Thread(target=beside)
+            t.start()
+            total, gaps = stream(inf, args.tokens)
+            t.join()
+            rows.append(("thread", total, gaps, took["s"]))
 
-        t0 = time.perf_counter()
-        h = inf.submit_classify(inputs, **kw, on_result=lambda i, r: took.update(w=time.perf_counter()))
-        total, gaps = stream(inf, args.tokens)
-        h.result()
-        rows.append(("worker", total, gaps, took["w"] - t0))
+        if "worker" in runs:
+            t0 = time.perf_counter()
+            h = inf.submit_classify(inputs, **kw, on_result=lambda i, r: took.update(w=time.perf_counter()))
+            total, gaps = stream(inf, args.tokens)
+            h.result()
+            rows.append(("worker", total, gaps, took["w"] - t0))
     print(f"{'run':8} {'stream s':>9} {'max gap s':>10} {'median gap s':>13} {'classify s':>11}")
     for name, total, gaps, cls in rows:
         print(f"{name:8} {total:9.1f} {max(gaps):10.2f} {statistics.median(gaps):13.3f} "
