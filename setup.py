@@ -1,5 +1,6 @@
-"""Build-time extras that pyproject.toml cannot express: the optional BLAS shim.
+"""Build-time extras that pyproject.toml cannot express: two optional native parts.
 
+1. The BLAS shim.
 slotinfer/cpu/_blas_shim.c is a plain shared object (no Python API) exporting
 cblas_sgemm/dgemm/cgemm for MLX and forwarding them to the prefixed
 scipy-openblas32 / numpy-bundled OpenBLAS (see slotinfer/cpu/blas.py).  It is
@@ -9,13 +10,23 @@ slotinfer falls back to a BLAS that needs no shim (system OpenBLAS, MKL) or to
 MLX's reference BLAS, with a warning that says how to get the fast one.  After
 editing the C source in a checkout, rebuild it with
 `python setup.py build_ext --inplace`.
+
+2. The quantized-linear kernels (slotinfer/cpu/qkernel/): an MLX extension (a custom primitive,
+C++20, bound with nanobind) computing linear layers on GGUF Q4_0/Q4_1/Q8_0 blocks on CPU.  It
+is compiled against the mlx wheel and nanobind of the build environment (pyproject.toml's
+build-system requires both on Linux); the mlx version it was built against is compiled in, and
+slotinfer uses it only under that same version.  Optional too: where it cannot be built,
+slotinfer computes those layers in float32 as before, and `slotinfer info` says why
+(docs/quantized-cpu.md).
 """
 
 import logging
+import os
 import sys
 import warnings
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # `pip install -e .` (the install README gives) would print setuptools' notices about editable
 # installs in a box: that a path finder is used, and to mind folders named like the package.  Both
@@ -34,4 +45,45 @@ if sys.platform == "linux":
                                  depends=["slotinfer/cpu/_blas_kernels.h"], libraries=["dl", "pthread"],
                                  extra_compile_args=["-O3", "-pthread", "-Wno-psabi"], optional=True))
 
-setup(ext_modules=ext_modules)
+QKERNEL = "slotinfer.cpu.qkernel._qkernel"
+QKERNEL_DIR = os.path.join("slotinfer", "cpu", "qkernel")
+if sys.platform == "linux":
+    # sources, include dirs and the mlx library are filled in by BuildExt once mlx and nanobind import
+    ext_modules.append(Extension(QKERNEL, [os.path.join(QKERNEL_DIR, "qlinear.cpp")], language="c++",
+                                 depends=[os.path.join(QKERNEL_DIR, "qkernels.h")], optional=True))
+
+
+class BuildExt(build_ext):
+    """Completes the qkernel extension from the build environment's mlx and nanobind; a missing
+    piece makes it skip with a note, as a failed compile does (the extensions are optional)."""
+
+    def build_extension(self, ext):
+        if ext.name != QKERNEL:
+            return super().build_extension(ext)
+        try:
+            import mlx.core as mx
+            import nanobind
+        except ImportError as e:
+            self.warn(f"slotinfer: the quantized-linear kernels are not built ({e}); "
+                      "CPU linear layers on quantized weights stay float32")
+            return None
+        mlx_dir = os.path.dirname(mx.__file__)  # site-packages/mlx: include/ and lib/libmlx.so
+        nb_dir = os.path.dirname(nanobind.__file__)
+        ext.sources = ext.sources[:1] + [os.path.join(nb_dir, "src", "nb_combined.cpp")]
+        ext.include_dirs += [os.path.join(nb_dir, "include"), os.path.join(nb_dir, "ext", "robin_map", "include"),
+                             os.path.join(mlx_dir, "include")]
+        ext.library_dirs += [os.path.join(mlx_dir, "lib")]
+        ext.libraries += ["mlx"]
+        # NB_DOMAIN mlx: share mlx.core's registered types (mx.array, streams) with this module.
+        # -ffp-contract=off: the loops' multiply-adds are the explicit ones (the sum order is a contract).
+        # QK_MLX_VERSION: slotinfer uses the module only under the mlx it was compiled against
+        ext.define_macros += [("NB_DOMAIN", "mlx"), ("NB_COMPACT_ASSERTIONS", None), ("NDEBUG", None),
+                              ("QK_MLX_VERSION", f'"{mx.__version__}"')]
+        ext.extra_compile_args += ["-std=c++20", "-O3", "-fvisibility=hidden", "-fno-strict-aliasing",
+                                   "-ffp-contract=off", "-Wno-psabi",
+                                   "-Wno-uninitialized", "-Wno-maybe-uninitialized"]  # GCC on its own AVX-512 headers
+        ext.extra_link_args += ["-Wl,--gc-sections", "-s", "-pthread"]
+        return super().build_extension(ext)
+
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": BuildExt})

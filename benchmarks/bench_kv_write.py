@@ -21,7 +21,7 @@ import time
 
 import slotinfer  # noqa: F401  (first: installs the BLAS before mlx.core loads)
 import mlx.core as mx
-from slotinfer.slots import SlotTable, scatter
+from slotinfer.slots import scatter
 
 
 def rows_form(cache, rows_index, new):
@@ -39,8 +39,6 @@ def main():
     ap.add_argument("--rounds", type=int, default=30)
     args = ap.parse_args()
     b, h, d, cap = args.slots, 8, 128, args.capacity
-    table = SlotTable.__new__(SlotTable)  # the index arithmetic only; the caches are made below
-    table.slots, table.kv_heads, table.capacity, table.head_dim = b, h, cap, d
 
     def rows(caches, pos, new):
         base = (mx.arange(b)[:, None] * h + mx.arange(h)[None]) * cap
@@ -48,7 +46,8 @@ def main():
         return [rows_form(c, index, new * (i + 1)) for i, c in enumerate(caches)]
 
     def flat(caches, pos, new):
-        index = table.flat_index(mx.arange(b), pos[:, None])
+        index = (((mx.arange(b)[:, None] * h + mx.arange(h)[None]) * cap + pos[:, None])[..., None] * d
+                 + mx.arange(d)).reshape(-1)  # one offset per element, as write_index gives for the pool
         return [scatter(c, index, new * (i + 1)) for i, c in enumerate(caches)]
 
     forms = {"rows": mx.compile(rows), "flat": mx.compile(flat)}

@@ -5,8 +5,8 @@ Two measurements, each a fresh process so neither inherits the other's compiled 
 * ``one``: a single request (32-token prompt, 128 generated) on an Inferencer of ``--slots``
   slots, decode tokens/s; run at 1 slot and at 32, their ratio is what an idle server's first
   user sees against a one-slot engine (target >= 0.9x);
-* ``busy``: 32 requests at once on 32 slots (32-token prompts, 64 generated each), decode
-  tokens/s.
+* ``busy``: 32 requests at once on 32 slots (``--prompt-tokens``-token prompts, 32 by default,
+  64 generated each), decode tokens/s (``--busy-only``: this one alone).
 
 ``--baseline REV`` runs the same measurements on a checkout of git revision ``REV`` (a temporary
 worktree) in turn with this one (``--rev``: a revision instead of the working tree), so the ratios
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(mode: str, slots: int, model_arg: str | None, random_shape: bool) -> dict:
+def measure(mode: str, slots: int, model_arg: str | None, random_shape: bool, prompt_tokens: int = 32) -> dict:
     import slotinfer  # first: installs the BLAS before mlx.core loads
     from slotinfer.cli.bench import engine_tokens_per_s, prompts_of
     from slotinfer.cli.bench_common import bench_model_path
@@ -40,7 +40,7 @@ def measure(mode: str, slots: int, model_arg: str | None, random_shape: bool) ->
     path = model_arg or (bench_model_path() if random_shape or default_model.path() is None else default_model.path())
     model = slotinfer.load(path)
     if mode == "busy":
-        return engine_tokens_per_s(model, 32, 32, 64)
+        return engine_tokens_per_s(model, 32, prompt_tokens, 64)
     prompt = prompts_of(model, 1, 32, seed=1)[0]
     with slotinfer.Inferencer(model, slots=slots, max_len=1024) as inf:
         inf.generate(prompt, max_tokens=8, ignore_eos=True)  # compile outside the timing
@@ -52,6 +52,7 @@ def run(tree: Path, mode: str, slots: int, args) -> float:
     cmd = [sys.executable, __file__, "--one", mode, "--slots", str(slots)]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--random-shape"] if args.random_shape else []
+    cmd += ["--prompt-tokens", str(args.prompt_tokens)]
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path}  # that tree's slotinfer first, this script
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
@@ -66,6 +67,9 @@ def worktree(rev: str) -> Path:
                    capture_output=True)
     for shim in (ROOT / "slotinfer" / "cpu").glob("_blas_shim*.so"):  # built at install, not tracked
         shutil.copy(shim, path / "slotinfer" / "cpu")
+    for kernels in (ROOT / "slotinfer" / "cpu" / "qkernel").glob("*.so"):  # the quantized kernels, likewise
+        if (path / "slotinfer" / "cpu" / "qkernel").is_dir():
+            shutil.copy(kernels, path / "slotinfer" / "cpu" / "qkernel")
     return path
 
 
@@ -76,17 +80,19 @@ def main():
     ap.add_argument("--baseline", metavar="REV", help="also measure git revision REV, in turn with this tree")
     ap.add_argument("--rev", help="measure git revision REV instead of the working tree")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="prompt length of the 32 busy requests")
+    ap.add_argument("--busy-only", action="store_true", help="measure the 32 busy requests only")
     ap.add_argument("--one", choices=["one", "busy"], help=argparse.SUPPRESS)
     ap.add_argument("--slots", type=int, default=32, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.slots, args.model, args.random_shape)))
+        print(json.dumps(measure(args.one, args.slots, args.model, args.random_shape, args.prompt_tokens)))
         return
 
     trees = {args.rev or "this tree": worktree(args.rev) if args.rev else ROOT}
     if args.baseline:
         trees[args.baseline] = worktree(args.baseline)
-    points = [("one", 1), ("one", 32), ("busy", 32)]
+    points = [("busy", 32)] if args.busy_only else [("one", 1), ("one", 32), ("busy", 32)]
     got = {(t, p): [] for t in trees for p in points}
     try:
         for r in range(args.repeats):
@@ -103,6 +109,9 @@ def main():
     print("| tree | 1 request, 1 slot | 1 request, 32 slots | ratio | 32 requests, 32 slots |")
     print("|---|---:|---:|---:|---:|")
     for t in trees:
+        if args.busy_only:
+            print(f"| {t} | | | | {med[t, ('busy', 32)]:.1f} |")
+            continue
         a, b, c = med[t, ("one", 1)], med[t, ("one", 32)], med[t, ("busy", 32)]
         print(f"| {t} | {a:.1f} | {b:.1f} | {b / a:.2f} | {c:.1f} |")
     if args.baseline:

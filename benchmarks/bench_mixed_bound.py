@@ -29,7 +29,7 @@ import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
 from slotinfer.cli.bench import MIXED_MAX_LEN as MAX_LEN
 from slotinfer.cli.bench import mixed_inferencer, mixed_requests
-from slotinfer.decoder import SPAN_BUCKET
+from slotinfer.kv import KV_BLOCK_SIZE as SPAN_BUCKET  # a decode step's span is rounded up to whole blocks
 from slotinfer.cli.demo import demo_model_path
 from slotinfer.engine import Engine
 
@@ -48,6 +48,8 @@ def prefill_alone_s(model, slots: int, prompts) -> float:
 def step_times(model, slots: int, spans, rounds: int, steps: int) -> dict:
     """Median decode step time (s) at each span, the spans alternated round by round."""
     eng = Engine(model, slots=slots, max_len=MAX_LEN)
+    for s in range(slots):
+        eng.table.admit(s, MAX_LEN)  # each slot's blocks, as admission reserves them
     times = {s: [] for s in spans}
     for r in range(rounds + 1):
         for span in spans:

@@ -15,6 +15,9 @@ over the CPU policy's concurrent streams by rows as the engine splits decode att
 - gather_mm: no copy.  Scores per (row, head, block) straight out of the pool with
   ``mx.gather_mm``, one softmax over all of a row's block scores with the length mask,
   P.V per block with ``gather_mm`` again, and a sum over blocks;
+- paged_attend: the library's form (``slotinfer.kv.paged_attend``), gather_mm's products with
+  the scores laid out as contiguous ones for the ops' softmax, and the blocks' P.V partials
+  summed as a chain in block order, so that a row alone equals the row in any batch bit for bit;
 - grouped (not today's code, for comparison): the contiguous table, with each K/V head's
   query heads as the rows of one product, as gather_mm has them.
 
@@ -50,6 +53,7 @@ import mlx.core as mx
 from slotinfer import device
 from slotinfer.cache import window_mask
 from slotinfer.cpu import fastmath
+from slotinfer.kv import paged_attend
 from slotinfer.models.transformer import attend, attend_split, cpu_streams
 
 
@@ -156,6 +160,16 @@ def gather_mm_form(shape, nblk, block, scale, ops):
     return paged_run(part, block, d, ops)
 
 
+def library_form(shape, nblk, block, scale, ops):
+    """``kv.paged_attend`` as the engine calls it: the decode view's mask, split over the streams."""
+    span = nblk * block
+
+    def run(q, pool_k, pool_v, table, pos):
+        mask = window_mask(pos[:, None], mx.arange(span), None)[:, None]
+        return paged_attend(q, pool_k, pool_v, table[:, :nblk], scale, mask, None, ops, ops.attention_streams)
+    return run
+
+
 def paged_pool(keys, values, block: int, max_span: int, key):
     """The slot table's first ``max_span`` columns laid out as a block pool
     ``[2 + rows * blocks, kv_heads, block, head_dim]`` (blocks 0 and 1 reserved, as the
@@ -260,10 +274,12 @@ def attention_rows(shape, spans, blocks, rows, args, ops):
                 "gather": (mx.compile(gather_form(shape, nblk, block, scale, ops)), (q, pool_k, pool_v, table, pos)),
                 "gather_mm": (mx.compile(gather_mm_form(shape, nblk, block, scale, ops)),
                               (q, pool_k, pool_v, table, pos)),
+                "paged_attend": (mx.compile(library_form(shape, nblk, block, scale, ops)),
+                                 (q, pool_k, pool_v, table, pos)),
             }
             ref = forms["contiguous"][0](*forms["contiguous"][1])
             diffs = {}
-            for name in ("grouped", "gather", "gather_mm"):
+            for name in ("grouped", "gather", "gather_mm", "paged_attend"):
                 got = forms[name][0](*forms[name][1])
                 diffs[name] = mx.max(mx.abs(got - ref)).item()
                 if not diffs[name] < args.atol:  # also catches NaN
@@ -271,7 +287,7 @@ def attention_rows(shape, spans, blocks, rows, args, ops):
                                      f"by {diffs[name]:.3g} (atol {args.atol}); not timing a wrong formulation")
             calls = list(forms.values()) + ([(linear, ())] if linear else [])
             times = dict(zip(list(forms) + ["linear"], interleaved(calls, args.repeats, args.warmup)))
-            row = dict(shape=shape.name, span=span, block=block, diff=max(diffs[n] for n in ("gather", "gather_mm")),
+            row = dict(shape=shape.name, span=span, block=block, diff=max(diffs[n] for n in ("gather", "gather_mm", "paged_attend")),
                        grouped_diff=diffs["grouped"], linear_ms=statistics.median(times.get("linear", [0])) * 1e3,
                        head_ms=head_ms)
             for name in forms:
@@ -320,15 +336,17 @@ def main():
     print("Attention of one layer, ms; paged / contiguous: time ratios (median of per-round ratios)"
           + ("; step speed: a whole decode step's speed against today's, estimated" if step else ""))
     print()
-    head = "| shape | span | block | contiguous | gather | gather_mm | gather / contiguous | gather_mm / contiguous"
-    head += " | step speed, gather | step speed, gather_mm |" if step else " |"
+    head = ("| shape | span | block | contiguous | gather | gather_mm | paged_attend | gather / contiguous "
+            "| gather_mm / contiguous | paged_attend / contiguous")
+    head += " | step speed, gather | step speed, gather_mm | step speed, paged_attend |" if step else " |"
     print(head + " max abs diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if step else "") + "---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if step else "") + "---:|")
     for r in results:
         line = (f"| {r['shape']} | {r['span']} | {r['block']} | {r['contiguous']:.2f} | {r['gather']:.2f} "
-                f"| {r['gather_mm']:.2f} | {r['gather_ratio']:.2f} | {r['gather_mm_ratio']:.2f} |")
+                f"| {r['gather_mm']:.2f} | {r['paged_attend']:.2f} | {r['gather_ratio']:.2f} "
+                f"| {r['gather_mm_ratio']:.2f} | {r['paged_attend_ratio']:.2f} |")
         if step:
-            line += f" {r['gather_step']:.2f}x | {r['gather_mm_step']:.2f}x |"
+            line += f" {r['gather_step']:.2f}x | {r['gather_mm_step']:.2f}x | {r['paged_attend_step']:.2f}x |"
         print(line + f" {r['diff']:.1e} |")
     print()
     print("Per shape and span, over all block sizes: today's attention and linear time per layer, attention's share "

@@ -80,6 +80,8 @@ def prefill(model_path, shapes, rounds: int):
     model = slotinfer.load(model_path)
     width = max(L for _, L in shapes)
     engine = Engine(model, slots=max(n for n, _ in shapes), max_len=width + 1)
+    for s in range(engine.slots):
+        engine.table.admit(s, width)  # each slot's blocks, as admission reserves them
     rng = random.Random(0)
     vocab = model.tokenizer.vocab_size
     by_product = T._SUM_BY_PRODUCT
@@ -91,8 +93,7 @@ def prefill(model_path, shapes, rounds: int):
         def forward(threshold):
             def run():
                 T._SUM_BY_PRODUCT = threshold
-                view = PrefillView(engine.table, mx.arange(n), mx.zeros((n,), dtype=mx.int32),
-                                   mx.full((n,), L, dtype=mx.int32), L, L, True)
+                view = PrefillView(engine.table, list(range(n)), [0] * n, [L] * n, L, L, True)
                 return model.net(tokens, view)
             return run
 

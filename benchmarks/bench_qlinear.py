@@ -8,7 +8,7 @@ is timed as
   first, as the engine does on CPU);
 * ``mlx q4 g32`` ... ``mlx q8 g64``: ``mx.quantized_matmul`` on ``mx.quantize``'s affine layout
   (4 or 8 bits, groups of 32 or 64, float16 scales and biases as MLX checkpoints store them);
-* ``own q8_0`` / ``own q4_0`` / ``own q4_1``: slotinfer's prototype kernel on the GGUF blocks as
+* ``own q8_0`` / ``own q4_0`` / ``own q4_1``: slotinfer's own kernel on the GGUF blocks as
   stored (``slotinfer/cpu/qkernel``), when it is built.
 
 Every variant cycles through copies of its weight that add up to ``--budget-mib`` (well over the
@@ -80,14 +80,14 @@ def copy_np(a):
     return mx.array(np.array(a, copy=True))
 
 
-def build_variants(w_np, budget, own):
+def build_variants(w_np, budget, own, mlx_quant=MLX_QUANT):
     n, k = w_np.shape
     w = mx.array(w_np)
     variants = [Variant("f32", [w] + [copy_np(w_np) for _ in range(n_copies(w.nbytes, budget) - 1)], w.nbytes,
                         lambda x, c: x @ c.T)]
     checks = {"f32": (w_np.astype(np.float64), lambda x: np.array(x @ w.T))}
     w16 = w.astype(mx.float16)
-    for bits, group in MLX_QUANT:
+    for bits, group in mlx_quant:
         q = mx.quantize(w16, group_size=group, bits=bits)
         mx.eval(q)
         nbytes = sum(a.nbytes for a in q)
@@ -159,20 +159,27 @@ def main():
                     help="cpu: the process's CPU time (with --threads 1: each kernel's cost on one core, "
                          "less sensitive to other jobs on a shared machine than wall time)")
     ap.add_argument("--no-own", action="store_true", help="leave out slotinfer's own kernel")
+    ap.add_argument("--mlx", default="4:32,4:64,8:32,8:64",
+                    help="mx.quantized_matmul layouts, bits:group, comma-separated ('' for none)")
+    ap.add_argument("--kernels", help="the own kernel's loops: portable, avx2 or avx512 (default: the best)")
     args = ap.parse_args()
-    own = qkernel.qlinear is not None and not args.no_own
+    module = qkernel.load()
+    own = module is not None and not args.no_own
     if args.clock == "cpu":
         global CLOCK
         CLOCK = time.process_time
-    if qkernel.qlinear is None:
-        print(f"own kernel not built ({qkernel.error}); build it with sh slotinfer/cpu/qkernel/build.sh")
+    if module is None:
+        print(f"own kernel {qkernel.status()}")
     elif quants is None:
         print("gguf is not installed: own-kernel columns left out")
     threads = slotinfer.BLAS.threads
     if own:
-        qkernel.module.set_threads(threads)
+        module.set_threads(threads)
+        if args.kernels:
+            module.set_kernels(args.kernels)
+    mlx_quant = [tuple(int(v) for v in spec.split(":")) for spec in args.mlx.split(",") if spec]
     print(f"BLAS {slotinfer.BLAS.name}, {threads} thread(s); own kernel: "
-          + (f"{qkernel.module.kernels()}, {qkernel.module.threads()} thread(s)" if own else "none"))
+          + (f"{module.kernels()}, {module.threads()} thread(s)" if own else "none"))
     rows = [int(r) for r in args.rows.split(",")]
     budget = args.budget_mib << 20
     rng = np.random.default_rng(0)
@@ -180,7 +187,7 @@ def main():
     for model in args.models.split(","):
         for layer, (n, k) in MODELS[model].items():
             w_np = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
-            variants, checks = build_variants(w_np, budget, own)
+            variants, checks = build_variants(w_np, budget, own, mlx_quant)
             errs = check(checks, k)
             print(f"{model} {layer} {n}x{k}: max relative error vs numpy dequantize-then-matmul: "
                   + ", ".join(f"{name} {e:.1e}" for name, e in errs.items()), flush=True)

@@ -41,3 +41,13 @@ def window_mask(q_pos, k_pos, window):
     if window is not None:
         m = m & (k > q - window)
     return m
+
+
+def scatter(cache, index, new):
+    """Write ``new`` [n, heads, L, dim] into ``cache`` at ``index`` (flat offsets, from
+    :func:`slotinfer.kv.write_index`); returns the updated cache, written in place when nothing
+    else holds ``cache``.  One index per element lets MLX's CPU backend run the write as one flat
+    ``put_along_axis`` loop, where a scatter of rows steps two general iterators per element
+    (~3.5x slower for a decode step's K/V)."""
+    flat = mx.put_along_axis(cache.reshape(-1), index, new.reshape(-1).astype(cache.dtype), axis=0)
+    return flat.reshape(cache.shape)

@@ -1,14 +1,15 @@
 """The Decoder: one compiled step for the slot table's live rows.
 
 A step computes the slots that need a token and no others: the live slots, padded to
-a row bucket (:func:`row_bucket`) with idle slots whose writes go to the trash
-column.  It embeds each row's latest token, writes its K/V at the slot's length,
-attends over the live columns only, LM head, samples ``[n, vocab] -> [n]`` with each
+a row bucket (:func:`row_bucket`) with idle slots whose writes go to the pool's TRASH
+block.  It embeds each row's latest token, writes its K/V at the slot's length in its
+blocks, attends over the blocks of the live rows only (``paged_attend`` through their block
+tables, cut to the widest row's block count), LM head, samples ``[n, vocab] -> [n]`` with each
 row's own parameters, and puts the tokens back in the ``[b]`` array of every slot's
 latest token, which stays on the device as the next step's input; the host copies it
 once per step, one step behind (see ``engine.py``).  So one request on a 32-slot table
 costs what it costs on a 1-slot table, and the compiled variants stay bounded by the
-configuration: row buckets x span buckets x sampling modes.
+configuration: row buckets x block counts (up to ``max_len``'s) x sampling modes.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ import numpy as np
 from . import settings
 from ._compile import ThreadCompiled
 from .sampling import adjust, logprobs_of, penalize, sample
-from .slots import DecodeView, SlotTable
+from .kv import ZERO, PagedDecodeView, write_index
+from .slots import SlotTable
 from .structured import apply_mask
-
-SPAN_BUCKET = 64  # attention spans are rounded up to this, so a few compiled shapes serve every length
-
 
 def row_buckets(slots: int) -> list[int]:
     """The row counts a step may compute: 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and
@@ -64,7 +63,7 @@ COMPILE = settings.compile_steps()  # SLOTINFER_COMPILE=0: eager steps, for debu
 
 
 class Decoder:
-    """The slot table's decode step, compiled once per (row bucket, row layout, span bucket, sampling mode)."""
+    """The slot table's decode step, compiled once per (row bucket, row layout, block count, sampling mode)."""
 
     def __init__(self, net, table: SlotTable):
         self.net, self.table = net, table
@@ -73,7 +72,7 @@ class Decoder:
     @property
     def variants(self) -> int:
         """How many step variants exist: bounded by the configuration (row buckets x 2 row layouts x
-        span buckets x sampling modes x the few logprob counts of
+        block counts x sampling modes x the few logprob counts of
         :func:`~slotinfer.sampling.top_n_computed`), never by what requests ask for."""
         return len(self._compiled)
 
@@ -83,19 +82,27 @@ class Decoder:
 
         ``tokens`` [b] is every slot's latest token; the result is the same array with the live
         slots' next tokens in.  ``positions`` [b] (host) is where each slot's input token goes
-        (read for the live slots only).  Logprob outputs are [b, ...] too; other slots' entries
-        are meaningless.  ``masks`` (host, [b, words] int32, or None) is each slot's bitmask of the
-        tokens it may take (:mod:`slotinfer.structured`); a free row's is all ones.
+        (read for the live slots only); ``span`` the positions the widest live row attends to.
+        Logprob outputs are [b, ...] too; other slots' entries are meaningless.  ``masks`` (host,
+        [b, words] int32, or None) is each slot's bitmask of the tokens it may take
+        (:mod:`slotinfer.structured`); a free row's is all ones.
+
+        Attention reads each row's blocks through its block table
+        (:class:`~slotinfer.kv.PagedDecodeView`), cut to the blocks the widest row holds: a step
+        costs what the live rows and lengths need, not the pool's size.  Idle rows padding the
+        step read ZERO blocks only and write to TRASH.
         """
         t = self.table
-        # Never past max_len: the trash column holds what idle rows and padding wrote, which in a
-        # sliding-window layer can be NaN (a fully masked row), and 0 * NaN would reach live rows.
-        span = min(-(-span // SPAN_BUCKET) * SPAN_BUCKET, t.max_len)
+        bs = t.block_size
+        nblk = min(-(-span // bs), t.max_blocks)  # ZERO blocks past a row's own add exact zeros
         picked, prefix = step_rows(live, t.slots)
-        pos = np.full(len(picked), t.max_len, dtype=np.int32)  # padding writes to the trash column
-        is_live = np.isin(picked, live)
-        pos[is_live] = positions[np.asarray(picked)[is_live]]
-        key = (len(picked), prefix, span, rows.all_greedy, rows.use_sort, rows.seen is not None,
+        picked_np = np.asarray(picked)
+        is_live = np.isin(picked_np, live)
+        pos = np.where(is_live, positions[picked_np], -1).astype(np.int32)  # padding writes to TRASH
+        tables = np.where(is_live[:, None], t.pool.tables[picked_np, :nblk], ZERO).astype(np.int32)
+        blocks, offsets = t.pool.locate(picked_np, pos)
+        view_pos = np.where(is_live, pos, nblk * bs - 1).astype(np.int32)  # a padding row sees ZERO blocks only
+        key = (len(picked), prefix, nblk, rows.all_greedy, rows.use_sort, rows.seen is not None,
                rows.counts is not None, masks is not None, top_n)
         fn = self._compiled.get(key)
         if fn is None:
@@ -104,8 +111,9 @@ class Decoder:
         seen = rows.seen if rows.seen is not None else none
         mask = mx.array(masks[picked]) if masks is not None else none
         adjusting = [rows.counts, rows.bias, rows.presence, rows.frequency] if rows.counts is not None else [none] * 4
-        out = fn(tokens, mx.array(picked, dtype=mx.int32), t.keys, t.values, mx.array(pos), rows.temperature,
-                 rows.top_k, rows.top_p, rows.min_p, rows.seeds, rows.steps, rows.penalty, seen, mask, *adjusting)
+        out = fn(tokens, mx.array(picked, dtype=mx.int32), t.keys, t.values, mx.array(view_pos), mx.array(is_live),
+                 mx.array(blocks), mx.array(offsets), mx.array(tables), rows.temperature, rows.top_k, rows.top_p,
+                 rows.min_p, rows.seeds, rows.steps, rows.penalty, seen, mask, *adjusting)
         nxt, t.keys, t.values, seen, counts, extra = out[0], out[1], out[2], out[3], out[4], out[5:]
         if rows.seen is not None:
             rows.seen = seen
@@ -113,30 +121,32 @@ class Decoder:
             rows.counts = counts
         return nxt, extra
 
-    def _make(self, n, prefix, span, greedy, use_sort, use_penalty, use_adjust, masked, top_n):
+    def _make(self, n, prefix, nblk, greedy, use_sort, use_penalty, use_adjust, masked, top_n):
         net, table = self.net, self.table
-        slots, max_len = table.slots, table.max_len
+        slots = table.slots
+        geometry = dict(kv_heads=table.kv_heads, block_size=table.block_size, head_dim=table.head_dim,
+                        num_blocks=table.num_blocks)
 
-        def step(tokens, picked, keys, values, positions, temperature, top_k, top_p, min_p, seeds, steps, penalty,
-                 seen, mask, counts, bias, presence, frequency):
+        def step(tokens, picked, keys, values, positions, is_live, blocks, offsets, tables, temperature, top_k, top_p,
+                 min_p, seeds, steps, penalty, seen, mask, counts, bias, presence, frequency):
             def mine(a):  # the step's rows of a [b, ...] per-slot array
                 return a[:n] if prefix else a[picked]
 
             tok = mine(tokens)
-            index = table.flat_index(picked, positions[:, None])
-            view = DecodeView(keys, values, index, positions, span, rows=None if prefix else picked, count=n)
+            index = write_index(blocks[:, None], offsets[:, None], **geometry)
+            view = PagedDecodeView(keys, values, index, positions, tables, positions)
             logits = net.head(net(tok[:, None], view)[:, 0])
             raw = logits
             if use_penalty:
                 r = mx.arange(n)
                 mine_seen = mine(seen)
-                mine_seen[r, tok] = mine_seen[r, tok] | (positions < max_len)  # padding rows keep theirs
+                mine_seen[r, tok] = mine_seen[r, tok] | is_live  # padding rows keep theirs
                 logits = penalize(logits, mine_seen, mine(penalty))
                 seen = mx.put_along_axis(seen, mx.broadcast_to(picked[:, None], mine_seen.shape), mine_seen, axis=0)
             if use_adjust:  # the input token is the row's latest generated one: count it, then penalize
                 r = mx.arange(n)
                 mine_counts = mine(counts)
-                mine_counts[r, tok] = mine_counts[r, tok] + (positions < max_len)
+                mine_counts[r, tok] = mine_counts[r, tok] + is_live
                 logits = adjust(logits, mine(bias), mine_counts, mine(presence), mine(frequency))
                 counts = mx.put_along_axis(counts, mx.broadcast_to(picked[:, None], mine_counts.shape), mine_counts,
                                            axis=0)
@@ -148,7 +158,7 @@ class Decoder:
                 nxt = sample(logits, mine(temperature), mine(top_k), mine(top_p), mine(min_p), mine(seeds),
                              mine(steps), use_sort=use_sort)
             # Padding rows put back what their slot held (a padding slot may appear more than once).
-            out = mx.put_along_axis(tokens, picked, mx.where(positions < max_len, nxt, tok), axis=0)
+            out = mx.put_along_axis(tokens, picked, mx.where(is_live, nxt, tok), axis=0)
             extra = []
             if top_n >= 0:  # -1: no logprobs; 0: the chosen token's; n: also the top n
                 chosen, ids, vals = logprobs_of(raw, nxt, top_n)

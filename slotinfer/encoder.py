@@ -7,7 +7,7 @@ the head sees only each row's last real token (:func:`last_hidden`): never
 ``[n, L, vocab]``.  What differs is the attention context the rows run through:
 
 * the engine's :class:`~slotinfer.slots.PrefillView` writes each row's K/V into its
-  slot; prompts longer than the budget arrive in chunks, one per engine step, so
+  slot's blocks; prompts longer than the budget arrive in chunks, one per engine step, so
   running slots keep decoding meanwhile (:class:`Encoder`);
 * classify's :class:`SegmentView` attends to K/V computed before (a
   :class:`SharedPrefix`, computed once and reused by every batch; a prompt's own K/V
@@ -120,12 +120,10 @@ class Encoder:
         ``mask`` (or None) their [m, words] bitmasks of allowed tokens.
         """
         width = max(len(c.tokens) for c in chunks)
-        rows = mx.array([c.slot for c in chunks])
-        starts = mx.array([c.start for c in chunks])
         lens = [len(c.tokens) for c in chunks]
         fresh = all(c.start == 0 for c in chunks)
         span = max(c.start + len(c.tokens) for c in chunks)
-        view = PrefillView(self.table, rows, starts, mx.array(lens), width, span, fresh)
+        view = PrefillView(self.table, [c.slot for c in chunks], [c.start for c in chunks], lens, width, span, fresh)
         h = forward(self.net, [c.tokens for c in chunks], view, self.by_layer, self.table)
         done = [i for i, c in enumerate(chunks) if c.last]
         if not done:

@@ -93,7 +93,8 @@ class _OnHost:
 
 class Engine:
     def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512,
-                 prefix_cache_bytes: int | None = None, prefix_block_size: int = BLOCK_SIZE, kv_dtype=None):
+                 prefix_cache_bytes: int | None = None, prefix_block_size: int = BLOCK_SIZE, kv_dtype=None,
+                 kv_cache_bytes: int | None = None):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         if not isinstance(max_len, int) or max_len < 2:
@@ -104,8 +105,12 @@ class Engine:
                                                or isinstance(prefix_cache_bytes, bool) or prefix_cache_bytes < 0):
             raise ValueError(f"prefix_cache_bytes must be an int >= 0 (0: no prefix cache; None: the device's "
                              f"default), got {prefix_cache_bytes!r}")
+        if kv_cache_bytes is not None and (not isinstance(kv_cache_bytes, int) or isinstance(kv_cache_bytes, bool)
+                                           or kv_cache_bytes < 1):
+            raise ValueError(f"kv_cache_bytes must be an int >= 1 (None: the default, slots x max_len tokens at "
+                             f"most a quarter of the memory), got {kv_cache_bytes!r}")
         self.model, self.slots, self.max_len = model, slots, max_len
-        self.table = SlotTable(model.config, slots=slots, max_len=max_len,
+        self.table = SlotTable(model.config, slots=slots, max_len=max_len, kv_cache_bytes=kv_cache_bytes,
                                dtype=device.kv_dtype(model.dtype, override=kv_dtype))
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
@@ -143,6 +148,15 @@ class Engine:
                 f"max_tokens (to at most {max(self.max_len - len(ids), 0)}) or raise max_len")
             e.param = "max_tokens"
             raise e
+        room = self.table.capacity_tokens
+        if len(ids) + budget - 1 > room:
+            e = PromptTooLongError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: their K/V need "
+                f"{len(ids) + budget - 1} tokens and the engine's whole K/V pool holds {room} "
+                f"(kv_cache_bytes={self.table.num_blocks * self.table.block_nbytes}); shorten the prompt, lower "
+                f"max_tokens (to at most {max(room + 1 - len(ids), 0)}) or raise kv_cache_bytes")
+            e.param = "max_tokens"
+            raise e
         sampling = SamplingParams(*(p[k] for k in request.SAMPLING))
         constraint = model.grammars.constraint(p)  # compiled here, on the caller's thread: a bad one is refused
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
@@ -165,7 +179,7 @@ class Engine:
         self.items.add(item)
 
     def waiting_for_slots(self) -> int:
-        """Items added that no free slot awaits: the engine's backlog."""
+        """Items added that no free slot (or not enough free K/V blocks) awaits: the engine's backlog."""
         return max(0, -self.items.room())
 
     def in_flight(self) -> list[Item]:
@@ -387,6 +401,7 @@ class Engine:
         return {
             "slots": self.slots, "max_len": self.max_len,
             "kv_cache_bytes": self.table.nbytes, "kv_bytes_per_slot": self.table.nbytes // self.slots,
+            **self.table.stats(),
             "prefix_cache_bytes": cache.nbytes if cache else 0,
             "prefix_cache_budget_bytes": cache.budget_bytes if cache else 0,
             "weights_bytes": weights, "peak_bytes": mx.get_peak_memory(),
@@ -399,6 +414,7 @@ class Engine:
             "finished": self.items.finished,
             "waiting": len(self.items.waiting),
             "active_slots": sum(it is not None for it in self.items.by_slot),
+            **self.table.stats(),
             "mean_occupancy": c["occupancy"] / c["steps"] if c["steps"] else 0.0,
             "decode_tokens_per_s": c["decode_tokens"] / c["step_s"] if c["step_s"] else 0.0,
             "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_s"] if c["prefill_s"] else 0.0,

@@ -41,6 +41,7 @@ from .models.gguf_config import architecture, config_dict, gguf_module, module_n
 _F32, _F16, _BF16 = 0, 1, 30
 _MLX_TYPES = (_F32, _F16, _BF16, 8, 2, 3)
 _QUANT_BITS = {2: 4, 3: 4, 8: 8}  # Q4_0, Q4_1, Q8_0 as MLX affine triples
+_BLOCK_FORMATS = {2: "q4_0", 3: "q4_1", 8: "q8_0"}  # kept as stored for the CPU's own kernels
 # dequantized by gguf.quants: Q5_0, Q5_1, the K-quants Q2_K..Q6_K, the I-quants (IQ1_S ... IQ4_XS)
 _GGUF_TYPES = (6, 7, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29)
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -211,13 +212,15 @@ class _Reader:
                           "newer GGUF version, re-convert it")
 
 
-def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32):
+def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32, blocks: bool = False):
     """(ModelConfig, {checkpoint name: array}, {module: quantization}, metadata, checked) of a GGUF file;
     ``checked``: every tensor was found free of NaN and Inf here (``SLOTINFER_CHECK_FINITE``).
 
     The config is built from the scanned header and checked against the tensor table before any
     tensor data is read.  Tensors that gguf's reference dequantizes become ``dtype`` arrays, or MLX
-    affine triples in :func:`slotinfer.device.requantized_layout` where ``keep_quantized``."""
+    affine triples in :func:`slotinfer.device.requantized_layout` where ``keep_quantized``.
+    ``blocks``: Q8_0/Q4_0/Q4_1 matrices stay the file's bytes (``uint8``, quantization
+    ``{"format": "q4_1"}``), for the CPU's own kernels (:mod:`slotinfer.cpu.qlayers`)."""
     tensors, meta = scan(path)
     source = path.name
     name, fam = architecture(meta, source)
@@ -253,7 +256,7 @@ def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32):
         return w
 
     out, quant = {}, {}
-    if all(t.type in _MLX_TYPES for t in tensors):
+    if not blocks and all(t.type in _MLX_TYPES for t in tensors):
         parts = _mlx_parts(path, tensors, quant, hf_names)
         for t in tensors:
             module = hf_names[t.name].rsplit(".", 1)[0]
@@ -262,7 +265,7 @@ def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32):
         return cfg, out, quant, meta, False
     for t in tensors:  # one tensor at a time, each evaluated before the next is read
         module = hf_names[t.name].rsplit(".", 1)[0]
-        for kind, w in _tensor(path, t, keep_quantized, dtype, quant, module).items():
+        for kind, w in _tensor(path, t, keep_quantized, dtype, quant, module, blocks).items():
             w = place(module, kind, w)
             mx.eval(w)
             out[f"{module}.{kind}"] = w
@@ -289,10 +292,17 @@ def _mlx_parts(path: Path, tensors: list[TensorInfo], quant: dict, hf_names: dic
     return parts
 
 
-def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict, module: str) -> dict:
+def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict, module: str,
+            blocks: bool = False) -> dict:
     """One tensor of the file: {kind: array}, the parts of a quantized one included."""
     kind = t.name.rsplit(".", 1)[1]
     count = int(np.prod(t.shape, dtype=np.int64))
+    if blocks and t.type in _BLOCK_FORMATS and kind == "weight" and len(t.shape) == 2:
+        per_block, block_bytes = t.block
+        raw = np.fromfile(path, dtype=np.uint8, count=count // per_block * block_bytes, offset=t.offset)
+        _check_finite(path, t, _block_scales(raw, t.type, block_bytes))
+        quant[module] = {"format": _BLOCK_FORMATS[t.type]}
+        return {kind: mx.array(raw.reshape(t.shape[0], -1))}
     if t.type == _BF16:
         w = _bf16(path, t)
         _check_finite(path, t, np.array(w.astype(mx.float32)))
@@ -311,6 +321,12 @@ def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict,
     # half precision in, as MLX's own triples are: the scales and biases come out float16
     q, scales, biases = mx.quantize(mx.array(w, dtype=mx.float16), **layout)
     return {"weight": q, "scales": scales, "biases": biases}
+
+
+def _block_scales(raw: np.ndarray, kind: int, block_bytes: int) -> np.ndarray:
+    """The float16 scales (and Q4_1's minimums) of raw blocks: finite there, finite weights."""
+    per_block = raw.reshape(-1, block_bytes)
+    return per_block[:, :4 if kind == 3 else 2].copy().view("<f2")
 
 
 def _check_finite(path: Path, t: TensorInfo, w: np.ndarray) -> None:

@@ -110,7 +110,7 @@ class Request:
 
 
 class Inferencer:
-    """Continuous batching over ``slots`` slots of up to ``max_len`` tokens each.
+    """Continuous batching over ``slots`` slots of up to ``max_len`` tokens each, their K/V in one pool of blocks.
 
     ``prefill_tokens`` bounds one prefill call (longer prompts arrive in chunks between
     decode steps); ``max_queue`` bounds how many requests may wait for a slot (0 =
@@ -120,6 +120,9 @@ class Inferencer:
     again (None: the device's default, :func:`slotinfer.device.prefix_cache_bytes`; 0: off).
     ``kv_dtype`` ("float16", "bfloat16", "float32"; None: the model's compute dtype) is the dtype
     K/V are kept in: "float16" halves their memory (docs/benchmarks.md measures its cost).
+    ``kv_cache_bytes`` sizes the pool of K/V blocks every slot draws on (None: ``slots x max_len``
+    tokens, at most a quarter of the machine's memory): a request is admitted when the free blocks
+    hold its prompt and ``max_tokens``, and waits otherwise; ``max_len`` caps one request.
 
     Lifetime: :meth:`close` it (or use ``with``); a closed Inferencer holds no thread and
     is freed with its slot table once you drop it.  One dropped without ``close()`` finishes
@@ -133,11 +136,12 @@ class Inferencer:
     """
 
     def __init__(self, model, *, slots: int = 32, max_len: int = 2048, prefill_tokens: int = 512,
-                 max_queue: int = 0, prefix_cache_bytes: int | None = None, kv_dtype=None, start: bool = True):
+                 max_queue: int = 0, prefix_cache_bytes: int | None = None, kv_dtype=None,
+                 kv_cache_bytes: int | None = None, start: bool = True):
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0 (0: unbounded), got {max_queue!r}")
         self.engine = Engine(model, slots=slots, max_len=max_len, prefill_tokens=prefill_tokens,
-                             prefix_cache_bytes=prefix_cache_bytes, kv_dtype=kv_dtype)
+                             prefix_cache_bytes=prefix_cache_bytes, kv_dtype=kv_dtype, kv_cache_bytes=kv_cache_bytes)
         self.model = model
         # The handoff between threads: requests submitted since the worker's last turn, which
         # moves them all into the engine's one waiting queue.  ``_backlog`` is the worker's count

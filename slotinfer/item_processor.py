@@ -88,6 +88,11 @@ class Item:
 
 
     @property
+    def reserved(self) -> int:
+        """Tokens whose K/V its slot may come to hold: the prompt and every token but the last."""
+        return len(self.prompt) + self.max_tokens - 1
+
+    @property
     def adjusts(self) -> bool:
         return bool(self.presence or self.frequency or self.logit_bias)
 
@@ -138,7 +143,10 @@ class ItemProcessor:
         return [*self.waiting, *filter(None, self.by_slot)]
 
     def room(self) -> int:
-        """Items the engine could admit now (free slots not already promised to waiting items)."""
+        """Items the engine could admit now (free slots not already promised to waiting items); negative:
+        the backlog.  While the first waiting item waits for K/V blocks, every waiting item is backlog."""
+        if self.waiting and self.free and not self.table.can_admit(self.waiting[0].reserved):
+            return -len(self.waiting)
         return len(self.free) - len(self.waiting)
 
     def watch(self, item: Item):
@@ -152,18 +160,25 @@ class ItemProcessor:
             self.cancelled.put(item)
 
     def admit(self) -> list[Item]:
-        """Move waiting items (FIFO) into free slots; returns the newly admitted."""
+        """Move waiting items (FIFO) into free slots while the pool's free blocks hold their prompt
+        and ``max_tokens`` (reserved at admission); returns the newly admitted.  The first waiting
+        item that does not fit waits, and those behind it with it: a long request is never
+        overtaken for ever by short ones."""
         admitted = []
         while self.free and self.waiting:
-            item = self.waiting.popleft()
+            item = self.waiting[0]
             if item.handle.cancel_requested:
+                self.waiting.popleft()
                 self.finish(item, "cancelled")
                 continue
+            if not self.table.can_admit(item.reserved):
+                break
+            self.waiting.popleft()
             item.slot = self.free.pop(0)
             self.move(item, State.PREFILLING)
             item.t_admit = time.perf_counter()
             self.by_slot[item.slot] = item
-            self.table.admit(item.slot)
+            self.table.admit(item.slot, item.reserved)
             admitted.append(item)
         return admitted
 

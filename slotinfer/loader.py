@@ -112,6 +112,11 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
     kept = {name.rsplit(".", 1)[0]: quant[name.rsplit(".", 1)[0]] for name in weights if name.endswith(".scales")}
     if kept:
         nn.quantize(net, class_predicate=lambda p, m: kept.get(p, False))
+    blocks = {m: q["format"] for m, q in quant.items() if "format" in q}
+    if blocks:  # GGUF blocks kept for the CPU's own kernels
+        from .cpu import qlayers
+
+        qlayers.swap(net, blocks)
     net.load_weights(list(weights.items()), strict=True)
     mx.eval(net.parameters())
     tok, eos_ids = tokenizer()
@@ -120,7 +125,8 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
 
 def _load_gguf(file: Path, dtype) -> Model:
     cfg, weights, quant, meta, checked = gguf.read(file, keep_quantized=device.keep_quantized() and dtype is None,
-                                                   dtype=device.compute_dtype(mx.float32, override=dtype))
+                                                   dtype=device.compute_dtype(mx.float32, override=dtype),
+                                                   blocks=device.cpu_block_kernels() and dtype is None)
     tok = Tokenizer.from_gguf(meta, file.name)
     if tok.vocab_size > cfg.vocab_size:
         raise TokenizerError(
@@ -400,7 +406,9 @@ def check_weights(cfg: ModelConfig, weights: dict, quant: dict):
         )
     for name, shape in expected.items():
         module = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and module in quant:
+        if name.endswith(".weight") and module in quant and "format" in quant[module]:
+            _check_blocks(module, tuple(shape), weights[name], quant[module]["format"])
+        elif name.endswith(".weight") and module in quant:
             _check_quantized(module, tuple(shape), weights, quant[module])
         elif tuple(weights[name].shape) != tuple(shape):
             raise WeightError(f"tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(shape)} from "
@@ -420,6 +428,16 @@ def _deciding_keys(cfg: ModelConfig, name: str) -> str:
     return (f"model_type {cfg.model_type!r}, hidden_size {cfg.hidden_size}, intermediate_size "
             f"{cfg.intermediate_size}, num_attention_heads {cfg.num_heads}, num_key_value_heads {cfg.num_kv_heads}, "
             f"head_dim {cfg.head_dim}, vocab_size {cfg.vocab_size}")
+
+
+def _check_blocks(module: str, shape: tuple, w, fmt: str):
+    """GGUF blocks kept as stored: uint8 rows of in / 32 blocks (the GGUF reader made them)."""
+    from .cpu.qkernel import BLOCK_BYTES
+
+    want = (shape[0], shape[1] // 32 * BLOCK_BYTES[fmt]) if len(shape) == 2 and shape[1] % 32 == 0 else None
+    if want is None or w.dtype != mx.uint8 or tuple(w.shape) != want:
+        raise WeightError(f"{module}.weight in {fmt} blocks is {w.dtype} {tuple(w.shape)}, expected uint8 {want} "
+                          f"for its {'x'.join(map(str, shape))} weight; the file is damaged, re-download it")
 
 
 def _check_quantized(module: str, shape: tuple, weights: dict, q: dict):
@@ -455,11 +473,16 @@ def _check_quantized(module: str, shape: tuple, weights: dict, q: dict):
 def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
     """Dequantize (CPU policy), fold Gemma's norm offset, fuse projections and q/k norms, cast.
 
-    ``weights`` is emptied, so that no caller keeps a tensor alive once what replaces it is made."""
+    ``weights`` is emptied, so that no caller keeps a tensor alive once what replaces it is made.
+    GGUF blocks kept for the CPU's own kernels (quantization ``{"format": ...}``) stay as they are."""
     source, out = dict(weights), {}
     weights.clear()
+    blocks = {m for m, q in quant.items() if "format" in q}
     for name, w in source.items():
         module, kind = name.rsplit(".", 1)
+        if module in blocks and kind == "weight":
+            out[name] = w
+            continue
         if module in quant and not keep_q:
             if kind in ("scales", "biases"):  # consumed by dequantize; a Linear's own "bias" stays
                 continue
@@ -474,7 +497,8 @@ def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
             w = w.astype(compute)
         out[name] = w
     if not keep_q:
-        quant.clear()
+        for module in set(quant) - blocks:
+            del quant[module]
     del source
     return _fuse(cfg, out, quant, compute)
 
@@ -492,7 +516,12 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
             specs = [quant.get(m) for m in modules]
             if any(s != specs[0] for s in specs):  # mixed precision in one group: fuse dense
                 for m, s in zip(modules, specs):
-                    if s:
+                    if s and "format" in s:  # GGUF blocks beside another type
+                        from .cpu.qlayers import dequantize
+
+                        weights[f"{m}.weight"] = dequantize(weights[f"{m}.weight"], s["format"]).astype(compute)
+                        quant.pop(m)
+                    elif s:
                         w = weights[f"{m}.weight"]
                         weights[f"{m}.weight"] = mx.dequantize(
                             w, weights.pop(f"{m}.scales").astype(compute), weights.pop(f"{m}.biases").astype(compute),

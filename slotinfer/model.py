@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import device, request
-from .cache import SequenceCache
 from .errors import InvalidRequestError, PromptTooLongError
+from .kv import KV_BLOCK_SIZE, PagedSequenceCache
 from .models import ModelConfig, Transformer
 from .models.transformer import layer_by_layer
 from .sampling import SamplingParams, adjust, penalize, sample
@@ -153,7 +153,9 @@ class Model:
         budget = min(c["max_tokens"], self.context_length - len(ids))
         vocab = self.config.vocab_size
 
-        cache = SequenceCache(self.config.num_layers)
+        # Decode reads K/V through pool blocks of the engine's size, as the engine's steps do: P.V
+        # sums block by block, so "alone" equals "batched" only through the same blocks.
+        cache = PagedSequenceCache(self.config.num_layers, KV_BLOCK_SIZE)
         h = self.net(mx.array([ids]), cache, layer_by_layer(cache, len(ids), device.prefill_by_layer()))
         cache.advance(len(ids))
         seen = mx.zeros((1, vocab), dtype=mx.bool_)

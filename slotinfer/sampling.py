@@ -49,8 +49,16 @@ def _mix(x):
 def gumbel_noise(seeds, steps, vocab: int):
     """Gumbel(0, 1) noise [b, vocab], a pure function of each row's (seed, step) and the token id."""
     row = _mix(_mix(seeds.astype(mx.uint32)) ^ (steps.astype(mx.uint32) * mx.array(_GOLD, dtype=mx.uint32)))
-    bits = _mix(row[:, None] + mx.arange(vocab, dtype=mx.uint32)[None])
-    u = (bits >> 8).astype(mx.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))
+    return gumbel_of(_mix(row[:, None] + mx.arange(vocab, dtype=mx.uint32)[None]))
+
+
+def gumbel_of(bits):
+    """Gumbel(0, 1) noise from uint32 ``bits``, always finite.
+
+    23 bits, centred in their cells, give u in [2**-24, 1 - 2**-24], never 0 or 1 in float32:
+    an infinite noise would turn a token masked to -inf into NaN, and NaN wins argmax.
+    """
+    u = (bits >> 9).astype(mx.float32) * (1.0 / (1 << 23)) + (1.0 / (1 << 24))
     return -mx.log(-mx.log(u))
 
 

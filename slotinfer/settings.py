@@ -34,6 +34,12 @@ def own_gemm() -> bool:
     return _flag("SLOTINFER_OWN_GEMM")
 
 
+def quant_kernels() -> bool:
+    """``SLOTINFER_QUANT_KERNELS=0``: on CPU, GGUF Q8_0/Q4_0/Q4_1 weights are dequantized to float32
+    at load instead of staying in their blocks for slotinfer's own kernels."""
+    return _flag("SLOTINFER_QUANT_KERNELS")
+
+
 def own_math() -> bool:
     """``SLOTINFER_OWN_MATH=0``: MLX's own exp, softmax and RMSNorm on CPU too."""
     return _flag("SLOTINFER_OWN_MATH")

@@ -1,11 +1,16 @@
 """The slot table: the Inferencer's device state, and the attention views the model runs through.
 
-Each of the ``b`` slots holds one item's K/V cache, preallocated once for every layer
-as ``[b, kv_heads, capacity, head_dim]``; ``lengths[b]`` says how many tokens each holds
-and ``new_batch_idx[b]`` which slots still await their prompt, as in the seed design.  Column ``max_len`` is a trash column:
-writes of padding and of idle rows land there, so no real position is ever clobbered
-and no shape has to change.  The model never sees slots: it calls ``ctx.update`` and
-``ctx.mask`` on one of the views below, exactly as on the single-sequence cache.
+Each of the ``b`` slots holds one item's K/V, kept in blocks of a pool shared by every slot
+(:class:`~slotinfer.kv.BlockPool`): per layer one ``[num_blocks, kv_heads, block_size, head_dim]``
+array, bounded by a byte budget (``kv_cache_bytes``) and grown to it as admissions need blocks, and a block table per slot naming its blocks
+in order.  Memory follows the tokens admitted, not ``slots x max_len``: a slot takes the blocks
+of its prompt and ``max_tokens`` when its item is admitted (:meth:`SlotTable.admit`, a
+reservation, so a running item never runs short) and gives them back when it ends.
+``lengths[b]`` says how many tokens each slot holds and ``new_batch_idx[b]`` which slots still
+await their prompt, as in the seed design.  Writes of padding and of idle rows land in the pool's
+``TRASH`` block, so no real position is ever clobbered and no shape has to change.  The model never
+sees slots: it calls ``ctx.update`` and ``ctx.mask`` on one of the views below (decode's is
+:class:`~slotinfer.kv.PagedDecodeView`), exactly as on the single-sequence cache.
 """
 
 from __future__ import annotations
@@ -14,31 +19,85 @@ import mlx.core as mx
 import numpy as np
 
 from . import device
-from .cache import window_mask
+from .cache import scatter, window_mask
 from .errors import OutOfMemoryError
+from .kv import KV_BLOCK_SIZE, RESERVED, BlockPool, block_bytes, blocks_for_budget, write_index
+
+__all__ = ["SlotTable", "PrefillView", "scatter", "default_kv_cache_bytes"]
+
+
+def default_kv_cache_bytes(want: int, device_kind=None) -> int:
+    """The K/V pool's default budget: ``want`` (what ``slots x max_len`` tokens take), at most a
+    quarter of the memory that holds K/V (the machine's RAM on CPU; MLX's recommended working set
+    on a GPU) and half of what is available now, so a large table starts and requests wait for
+    blocks instead of the process running out of memory."""
+    free = device.memory_available(device_kind)
+    return min(int(want), device.kv_memory(device_kind) // 4, *(() if free is None else (free // 2,)))
 
 
 class SlotTable:
-    """Per-layer K/V for ``slots`` rows of up to ``max_len`` tokens each."""
+    """Per-layer K/V for ``slots`` rows of up to ``max_len`` tokens each, in a pool of blocks.
 
-    def __init__(self, config, *, slots: int, max_len: int, dtype):
-        self.slots, self.max_len = slots, max_len
-        self.capacity = max_len + 1  # + the trash column
+    ``kv_cache_bytes`` sizes the pool (None: :func:`default_kv_cache_bytes` of ``slots x max_len``
+    tokens); ``max_len`` caps one slot (its block table's width).
+    """
+
+    def __init__(self, config, *, slots: int, max_len: int, dtype, kv_cache_bytes: int | None = None,
+                 block_size: int = KV_BLOCK_SIZE):
+        self.slots, self.max_len, self.block_size = slots, max_len, block_size
         self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
-        shape = (slots, self.kv_heads, self.capacity, self.head_dim)
-        _check_fits(2 * config.num_layers * int(np.prod(shape)) * dtype.size, slots, max_len)
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        mx.eval(self.keys, self.values)
+        self.max_blocks = -(-max_len // block_size)
+        each = block_bytes(num_layers=config.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                           dtype=dtype, block_size=block_size)
+        self.block_nbytes = each
+        if kv_cache_bytes is None:
+            kv_cache_bytes = max(default_kv_cache_bytes((slots * self.max_blocks + RESERVED) * each),
+                                 (RESERVED + 1) * each)
+        num_blocks = blocks_for_budget(kv_cache_bytes, num_layers=config.num_layers, kv_heads=self.kv_heads,
+                                       head_dim=self.head_dim, dtype=dtype, block_size=block_size)
+        _check_fits(num_blocks * each, int(kv_cache_bytes))
+        self.pool = BlockPool(num_blocks, block_size, slots=slots, max_blocks=self.max_blocks)
+        self.num_blocks = num_blocks
+        # The device arrays hold the blocks handed out so far, grown (doubling) as admissions need
+        # more, up to the budget: an idle engine holds the reserved blocks and one request's.
+        # The pool hands out its lowest free ids first, so the ids in use stay packed at the start.
+        self.keys = [mx.zeros((0, self.kv_heads, block_size, self.head_dim), dtype=dtype)
+                     for _ in range(config.num_layers)]
+        self.values = [mx.zeros_like(k) for k in self.keys]
+        self._grow_arrays(min(num_blocks, RESERVED + self.max_blocks))
         # Host-side, per slot: tokens cached (0: empty; a decode step writes its token there), and
         # a newly admitted slot's place in the prefill queue, FIFO (-1: not new, its prompt is in).
         self.lengths = np.zeros(slots, dtype=np.int32)
         self.new_batch_idx = np.full(slots, -1, dtype=np.int32)
 
-    def admit(self, slot: int):
-        """``slot`` takes a new item: empty, its prompt last in the prefill queue."""
+    # -- blocks --------------------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens one item may hold: the pool's blocks, and the table's width."""
+        return min(self.num_blocks - RESERVED, self.max_blocks) * self.block_size
+
+    def can_admit(self, tokens: int) -> bool:
+        """Whether the free blocks hold an item of ``tokens`` tokens now."""
+        return self.pool.can_allocate(self.pool.blocks_for(tokens))
+
+    def admit(self, slot: int, tokens: int):
+        """``slot`` takes a new item of up to ``tokens`` tokens (its prompt and ``max_tokens``):
+        empty, its blocks reserved, its prompt last in the prefill queue."""
         self.lengths[slot] = 0
+        new = self.pool.grow(slot, tokens)
+        if new and max(new) >= self.keys[0].shape[0]:
+            self._grow_arrays(min(self.num_blocks, max(max(new) + 1, 2 * self.keys[0].shape[0])))
         self.new_batch_idx[slot] = int(np.count_nonzero(self.new_batch_idx >= 0))
+
+    def _grow_arrays(self, blocks: int):
+        """Make each layer's arrays hold ``blocks`` blocks (new ones zero, as ZERO must stay)."""
+        have = self.keys[0].shape[0]
+        more = (blocks - have, self.kv_heads, self.block_size, self.head_dim)
+        for kv in (self.keys, self.values):
+            for layer, a in enumerate(kv):
+                kv[layer] = mx.concatenate([a, mx.zeros(more, dtype=a.dtype)])
+                mx.eval(kv[layer])  # one layer at a time: the old array is freed before the next is copied
 
     def new_slots(self) -> list[int]:
         """The slots whose prompt is still (partly) to prefill, in admission order."""
@@ -53,18 +112,37 @@ class SlotTable:
             self.new_batch_idx[slot] = -1
 
     def release(self, slot: int):
-        """``slot`` is empty again."""
+        """``slot`` is empty again, its blocks back in the pool."""
         self.prompt_in(slot)
         self.lengths[slot] = 0
+        self.pool.release_slot(slot)
+
+    def index(self, slots, positions):
+        """Flat write offsets (:func:`~slotinfer.kv.write_index`) of tokens at ``positions``
+        ([n] or [n, L], numpy; negative: padding, written to TRASH) of ``slots`` [n]."""
+        blocks, offsets = self.pool.locate(np.asarray(slots), np.asarray(positions))
+        if blocks.ndim == 1:
+            blocks, offsets = blocks[:, None], offsets[:, None]
+        return write_index(mx.array(blocks), mx.array(offsets), kv_heads=self.kv_heads, block_size=self.block_size,
+                           head_dim=self.head_dim, num_blocks=self.num_blocks)
+
+    def gather(self, cache, slots, span: int):
+        """``slots``' K/V of one layer's pool ``cache`` at positions ``0:span``, copied out
+        contiguously as ``[n, kv_heads, span, head_dim]``."""
+        nb = -(-span // self.block_size)
+        tables = mx.array(self.pool.tables[np.asarray(slots), :nb])
+        n, bs = tables.shape[0], self.block_size
+        got = mx.take(cache, tables.reshape(-1), axis=0).reshape(n, nb, self.kv_heads, bs, self.head_dim)
+        return got.transpose(0, 2, 1, 3, 4).reshape(n, self.kv_heads, nb * bs, self.head_dim)[:, :, :span]
 
     def read(self, slot: int, start: int, stop: int):
         """Copies of ``slot``'s K/V at positions ``start:stop``, ``[layers, kv_heads, n, head_dim]`` each."""
-        return (mx.stack([k[slot, :, start:stop] for k in self.keys]),
-                mx.stack([v[slot, :, start:stop] for v in self.values]))
+        return (mx.stack([self.gather(k, [slot], stop)[0, :, start:] for k in self.keys]),
+                mx.stack([self.gather(v, [slot], stop)[0, :, start:] for v in self.values]))
 
     def write(self, slot: int, keys, values):
         """Put ``keys`` and ``values`` (``[layers, kv_heads, n, head_dim]``) at ``slot``'s positions 0..n-1."""
-        index = self.flat_index(mx.array([slot]), mx.arange(keys.shape[2])[None])
+        index = self.index([slot], np.arange(keys.shape[2])[None])
         for layer in range(len(self.keys)):
             self.keys[layer] = scatter(self.keys[layer], index, keys[layer][None])
             self.values[layer] = scatter(self.values[layer], index, values[layer][None])
@@ -73,92 +151,43 @@ class SlotTable:
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
-    def flat_index(self, rows, positions):
-        """Offsets of every element that (row, position) writes in a layer flattened to 1-D.
-
-        ``rows`` is [n], ``positions`` [n, L]; the result is [n * heads * L * head_dim],
-        in the order of a ``[n, heads, L, head_dim]`` update (int64 only when a layer
-        holds 2**31 elements or more).  One index per element lets :func:`scatter`
-        write with ``put_along_axis``, which MLX's CPU backend runs as one flat loop,
-        where a scatter of rows steps two general iterators per element (~3.5x slower
-        for a decode step's K/V).
-        """
-        h, cap, d = self.kv_heads, self.capacity, self.head_dim
-        dt = mx.int32 if self.slots * h * cap * d < 2**31 else mx.int64
-        heads = mx.arange(h, dtype=dt)
-        base = (rows.astype(dt)[:, None] * h + heads[None]) * cap  # [n, heads]
-        cols = (base[:, :, None] + positions.astype(dt)[:, None, :]) * d  # [n, heads, L]
-        return (cols[..., None] + mx.arange(d, dtype=dt)).reshape(-1)
+    def stats(self) -> dict:
+        """Blocks of the pool: total (less the reserved), used, free, their size in tokens and bytes."""
+        p = self.pool
+        return {"blocks": p.num_blocks - RESERVED, "blocks_used": p.num_used, "blocks_free": p.num_free,
+                "blocks_allocated": self.keys[0].shape[0], "kv_cache_budget_bytes": p.num_blocks * self.block_nbytes,
+                "block_tokens": self.block_size, "block_bytes": self.block_nbytes}
 
 
-def _check_fits(need: int, slots: int, max_len: int):
-    """Refuse a table larger than the memory available, with a typed error instead of a crash."""
+def _check_fits(need: int, asked: int):
+    """Refuse a pool larger than the memory available, with a typed error instead of a crash."""
     free = device.memory_available()
     if free is not None and need > free:
         gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
         raise OutOfMemoryError(
-            f"the K/V slot table of {slots} slots x {max_len} tokens needs {gib(need)} "
-            f"({need / slots / (max_len + 1) / 1024:.0f} KiB a token) and {gib(free)} is available here: "
-            f"lower slots or max_len")
-
-
-def scatter(cache, index, new):
-    """Write ``new`` [n, heads, L, dim] into ``cache`` at ``index`` (from :meth:`SlotTable.flat_index`);
-    returns the updated cache, written in place when nothing else holds ``cache``."""
-    flat = mx.put_along_axis(cache.reshape(-1), index, new.reshape(-1).astype(cache.dtype), axis=0)
-    return flat.reshape(cache.shape)
-
-
-class DecodeView:
-    """Attention context of one decode step: one new token for each of ``count`` rows.
-
-    ``positions`` [count] is where each row's new token goes (its current length; the
-    trash column for padding rows); ``index`` the flat offsets of those writes.  The rows
-    are the table's first ``count`` slots when ``rows`` is None (read as a slice), else the
-    slots ``rows`` [count] (gathered).  Attention covers the first ``span`` columns only,
-    so a step costs what the live rows and lengths need, not the table's capacity.
-    """
-
-    def __init__(self, table_keys, table_values, index, positions, span: int, *, rows=None, count: int):
-        self.keys, self.values = list(table_keys), list(table_values)
-        self.index, self.offset, self.span = index, positions, span
-        self.rows, self.count = rows, count
-        self._masks = {}
-
-    def update(self, layer, k, v):
-        self.keys[layer] = scatter(self.keys[layer], self.index, k)
-        self.values[layer] = scatter(self.values[layer], self.index, v)
-        # K/V stored in another dtype than the model computes in (float16 on CPU) are read back in its own
-        return self._rows(self.keys[layer]).astype(k.dtype), self._rows(self.values[layer]).astype(v.dtype)
-
-    def _rows(self, cache):
-        if self.rows is None:
-            return cache[: self.count, :, : self.span]
-        return mx.take(cache[:, :, : self.span], self.rows, axis=0)
-
-    def mask(self, layer, L, window):
-        if window not in self._masks:
-            m = window_mask(self.offset[:, None], mx.arange(self.span), window)  # [n, 1, span]
-            self._masks[window] = m[:, None]
-        return self._masks[window]
+            f"the K/V pool of kv_cache_bytes={asked} ({gib(need)}) does not fit: {gib(free)} is available here; "
+            f"lower kv_cache_bytes")
 
 
 class PrefillView:
     """Attention context of the Encoder: new prompt tokens of ``rows``, padded on the right.
 
-    Row ``i`` writes its chunk at ``starts[i] ...``; tokens after ``lens[i]`` are
-    padding and go to the trash column.  When every row starts at 0 the queries
-    attend to the fresh K/V directly; a later chunk attends to what its slot holds.
+    Row ``i`` writes its chunk at ``starts[i] ...`` into its slot's blocks; tokens after
+    ``lens[i]`` are padding and go to TRASH.  When every row starts at 0 the queries attend to
+    the fresh K/V directly; a later chunk (or one after a prefix-cache hit) attends to its
+    slot's blocks copied out contiguously, as one prefill of the whole prompt would.
     """
 
-    def __init__(self, table, rows, starts, lens, chunk: int, span: int, fresh: bool):
+    def __init__(self, table: SlotTable, rows: list[int], starts: list[int], lens: list[int], chunk: int, span: int,
+                 fresh: bool):
         self.table = table
-        self.rows, self.offset = rows, starts
-        j = mx.arange(chunk)[None]
-        q_pos = starts[:, None] + j  # [n, L]
-        write = mx.where(j < lens[:, None], q_pos, table.max_len)
-        self.index = table.flat_index(rows, write)
-        self.q_pos = q_pos
+        self.rows = rows
+        starts_np = np.asarray(starts, dtype=np.int32)
+        j = np.arange(chunk, dtype=np.int32)[None]
+        q_pos = starts_np[:, None] + j  # [n, L]
+        self.index = table.index(rows, np.where(j < np.asarray(lens)[:, None], q_pos, -1))
+        self.offset = mx.array(starts_np)
+        self.q_pos = mx.array(q_pos)
         self.fresh = fresh
         self.span = chunk if fresh else span
         self._masks = {}
@@ -169,8 +198,8 @@ class PrefillView:
         t.values[layer] = scatter(t.values[layer], self.index, v)
         if self.fresh:
             return k, v
-        return (t.keys[layer][self.rows, :, : self.span].astype(k.dtype),
-                t.values[layer][self.rows, :, : self.span].astype(v.dtype))
+        return (t.gather(t.keys[layer], self.rows, self.span).astype(k.dtype),
+                t.gather(t.values[layer], self.rows, self.span).astype(v.dtype))
 
     def mask(self, layer, L, window):
         if window not in self._masks:

@@ -32,6 +32,16 @@ def test_batch_generate_matches_generate(models, family):
     assert [g.finish_reason for g in got] == [r.finish_reason for r in refs]
 
 
+def test_batch_generate_within_a_one_block_pool_serves_prompts_in_turn(models):
+    """A K/V pool of one block (and the two reserved) holds one prompt at a time on 3 slots: the
+    others wait for its block, and each gets its solo tokens."""
+    m = models["llama"]
+    c = m.config
+    block = 2 * c.num_layers * c.num_kv_heads * 128 * c.head_dim * 4
+    got = m.batch_generate(PROMPTS, max_tokens=12, slots=3, kv_cache_bytes=3 * block)
+    assert [g.tokens for g in got] == [m.generate(p, max_tokens=12).tokens for p in PROMPTS]
+
+
 def test_batch_generate_keeps_order_and_isolates_bad_prompts(models):
     m = models["qwen3"]
     got = m.batch_generate(["Hello", "", 42, "world", [10**9]], max_tokens=4)
@@ -242,7 +252,11 @@ def test_stats_and_memory_are_reported(models):
     assert s["finished"] == 4 and s["decode_tokens"] >= 4 * 3 and s["steps"] >= 3
     assert 0 < s["mean_occupancy"] <= 4
     c = m.config
-    assert mem["kv_cache_bytes"] == 2 * c.num_layers * 4 * c.num_kv_heads * 65 * c.head_dim * 4
+    # the default pool: 4 slots of one 128-token block each (max_len 64), and the two reserved blocks
+    block = 2 * c.num_layers * c.num_kv_heads * 128 * c.head_dim * 4
+    assert mem["kv_cache_budget_bytes"] == (4 + 2) * block and mem["block_bytes"] == block
+    assert mem["block_tokens"] == 128 and mem["kv_cache_bytes"] == mem["blocks_allocated"] * block
+    assert mem["blocks"] == 4 and s["blocks"] == 4 and s["blocks_used"] == 0 and s["blocks_free"] == 4
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7])
@@ -273,7 +287,8 @@ def test_kv_cache_is_written_in_place_while_steps_overlap(model_dir):
                                                       "num_hidden_layers": 3}))
     eng = Engine(m, slots=16, max_len=4096)
     for i in range(16):
-        eng.add(eng.make_item(PROMPTS[i % 4], max_tokens=40, ignore_eos=True))
+        # max_tokens reserves 16 blocks a request: the pool's arrays grow to hold them all at admission
+        eng.add(eng.make_item(PROMPTS[i % 4], max_tokens=2000, ignore_eos=True))
     for _ in range(4):
         eng.step()
     mx.eval(eng.tokens)
@@ -282,6 +297,7 @@ def test_kv_cache_is_written_in_place_while_steps_overlap(model_dir):
     for _ in range(30):
         eng.step()
     mx.eval(eng.tokens)
+    assert eng.table.keys[0].shape[0] >= 2 + 16 * 16
     assert mx.get_peak_memory() - base < eng.table.keys[0].nbytes / 4
 
 

@@ -72,24 +72,26 @@ def test_scattered_live_rows_are_gathered_and_token_exact(models, family):
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="an address-space limit is the CPU's way to run short")
 def test_a_table_that_does_not_fit_is_a_typed_error_not_a_crash(model_dir):
-    """Under an address-space limit (ulimit -v, as containers set), a slot table larger than what
-    the limit leaves is refused with OutOfMemoryError, and a smaller one still starts."""
+    """Under an address-space limit (ulimit -v, as containers set), a K/V pool larger than what
+    the limit leaves is refused with OutOfMemoryError; by default a table of 64 slots x 200,000
+    tokens (~13 GiB of K/V reserved up front) starts within the limit, its pool sized by the memory."""
     code = f"""
 import resource, slotinfer
 resource.setrlimit(resource.RLIMIT_AS, (6 << 30, resource.RLIM_INFINITY))
 m = slotinfer.load({str(model_dir("llama"))!r})
 try:
-    slotinfer.Inferencer(m, slots=64, max_len=200_000, start=False)   # ~13 GiB of K/V
+    slotinfer.Inferencer(m, slots=64, max_len=200_000, kv_cache_bytes=13 << 30, start=False)
 except slotinfer.OutOfMemoryError as e:
     print("refused:", e)
-inf = slotinfer.Inferencer(m, slots=2, max_len=64)
+inf = slotinfer.Inferencer(m, slots=64, max_len=200_000)
 print("served:", len(inf.generate("hi", max_tokens=3, ignore_eos=True).tokens))
+print("pool under 3 GiB:", inf.engine.memory()["kv_cache_budget_bytes"] < 3 << 30)
 inf.close()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "refused: the K/V slot table of 64 slots x 200000 tokens needs" in proc.stdout
-    assert "lower slots or max_len" in proc.stdout and "served: 3" in proc.stdout
+    assert f"refused: the K/V pool of kv_cache_bytes={13 << 30} (" in proc.stdout
+    assert "lower kv_cache_bytes" in proc.stdout and "served: 3" in proc.stdout and "pool under 3 GiB: True" in proc.stdout
 
 
 def test_float16_kv_halves_the_table_and_keeps_batch_independence(models):

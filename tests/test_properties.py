@@ -5,13 +5,18 @@
 2. Seeded sampling draws the same tokens in any batch.
 3. Conservation: every item ends exactly once under cancellations and failures;
    slots never leak; the engine keeps serving.
+4. Memory: under a K/V budget of a few blocks requests wait for blocks, each still served as
+   alone, and every block goes back to the pool.
 """
 
+import mlx.core as mx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from slotinfer.engine import Engine
+from slotinfer.errors import PromptTooLongError
+from slotinfer.kv import KV_BLOCK_SIZE, block_bytes
 from slotinfer.testing import FAMILIES
 
 MAX_LEN = 64
@@ -130,3 +135,51 @@ def test_every_item_ends_exactly_once(models, reqs, slots, cancels, raisers):
     engine.add(item)
     engine.run_until_done()
     assert item.handle.result(0).tokens == m.generate([5, 6, 7], max_tokens=4).tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@given(data=st.data(), slots=st.integers(1, 4), blocks=st.integers(1, 4), prefill=st.sampled_from([64, 512]))
+def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, family, data, slots, blocks, prefill):
+    """A K/V pool of a few blocks holds fewer requests than the slots: the others wait in the FIFO
+    for blocks.  One that cannot fit even alone is refused at submit, naming max_tokens; every
+    other ends exactly once (cancelled or with its solo tokens), the pool never holds more than
+    the reservations of the items in slots, and every block is back in the pool at the end."""
+    m = models[family]
+    cfg = m.config
+    each = block_bytes(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       dtype=mx.float32, block_size=KV_BLOCK_SIZE)
+    engine = Engine(m, slots=slots, max_len=600, prefill_tokens=prefill, kv_cache_bytes=(blocks + 2) * each,
+                    prefix_cache_bytes=0)
+    reqs = data.draw(st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(3, 500), min_size=1, max_size=300),
+                                        st.integers(1, 12)), min_size=1, max_size=6))
+    cancels = data.draw(st.dictionaries(st.integers(0, 5), st.integers(0, 12), max_size=2))
+    handles, refused, step = {}, set(), 0
+    pool = engine.table.pool
+    while engine.busy or len(handles) + len(refused) < len(reqs):
+        for i, (arrival, ids, n) in enumerate(reqs):
+            if arrival == step:
+                need = -(-(len(ids) + n - 1) // KV_BLOCK_SIZE)
+                if need > blocks:
+                    with pytest.raises(PromptTooLongError, match="max_tokens") as e:
+                        engine.make_item(ids, max_tokens=n, ignore_eos=True)
+                    assert e.value.param == "max_tokens" and "kv_cache_bytes" in str(e.value)
+                    refused.add(i)
+                    continue
+                item = engine.make_item(ids, max_tokens=n, ignore_eos=True)
+                engine.add(item)
+                handles[i] = item.handle
+        for i, at in cancels.items():
+            if at == step and i in handles:
+                handles[i].cancel()
+        engine.step()
+        held = [it for it in engine.items.by_slot if it is not None]
+        assert pool.num_used == sum(-(-it.reserved // KV_BLOCK_SIZE) for it in held) <= blocks
+        step += 1
+    assert engine.items.finished == len(handles)
+    for i, h in handles.items():
+        c = h.result(0)
+        assert len(list(h)) <= len(c.tokens) + 1  # the stream ended once
+        if c.finish_reason != "cancelled":
+            assert c.tokens == m.generate(reqs[i][1], max_tokens=reqs[i][2], ignore_eos=True).tokens
+    assert pool.num_free == blocks and pool.num_used == 0 and not pool.tables.any()
+    assert engine.items.free == list(range(slots))

@@ -135,8 +135,8 @@ def test_stop_strings_end_the_text(client, model):
 
 
 @pytest.mark.parametrize("kw, param", [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(frequency_penalty=0.5), "frequency_penalty"),
-    (dict(presence_penalty=1), "presence_penalty"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(frequency_penalty=2.5), "frequency_penalty"),
+    (dict(presence_penalty=-3), "presence_penalty"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
     (dict(seed=-3), "seed"), (dict(stop=[""]), "stop"), (dict(logprobs=99), "logprobs"),
     (dict(extra_body={"top_k": -1}), "top_k"), (dict(extra_body={"min_p": 2}), "min_p"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"), (dict(extra_body={"ignore_eos": "yes"}), "ignore_eos"),
@@ -192,6 +192,23 @@ def test_health_models_and_metrics(client, server):
     assert values["slotinfer_inter_token_latency_seconds_count"] >= 2
     assert {"slotinfer_requests_running", "slotinfer_requests_waiting", "slotinfer_decode_tokens_per_second",
             "slotinfer_prefill_tokens_per_second"} <= set(values)
+    blocks = inf.memory()["blocks"]
+    assert values["slotinfer_kv_blocks_used"] + values["slotinfer_kv_blocks_free"] == blocks > 0
+    assert values["slotinfer_kv_block_tokens"] == inf.memory()["block_tokens"]
+
+
+def test_a_request_the_kv_pool_cannot_hold_is_a_400_naming_max_tokens(model):
+    """A pool of one usable block: a request whose prompt and max_tokens need more is refused at
+    submit with 400 (never 429, it would never fit), naming max_tokens; one that fits is served."""
+    cfg = model.config
+    block = 2 * cfg.num_layers * cfg.num_kv_heads * 128 * cfg.head_dim * 4
+    with slotinfer.Inferencer(model, slots=2, max_len=512, kv_cache_bytes=3 * block) as inf, \
+            serving(build_app(inf, served_model_name=NAME)) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 300}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "kv_cache_bytes" in r.json()["error"]["message"]
+        ok = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_classify_is_the_librarys(server, model):
@@ -250,7 +267,8 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.sampled_fr
 _PARAMS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
            "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "n", "logprobs",
            "top_logprobs", "ignore_eos", "skip_special_tokens", "stop_token_ids", "stream", "stream_options",
-           "echo", "best_of", "response_format", "model", "user"]
+           "echo", "best_of", "response_format", "model", "user", "logit_bias", "structured_outputs", "tools",
+           "tool_choice", "parallel_tool_calls"]
 
 
 @given(body=st.dictionaries(st.sampled_from(_PARAMS), _VALUES, max_size=8), chat=st.booleans(),

@@ -546,3 +546,23 @@ def test_bad_byte_sizes_are_usage_errors(text):
 
     with pytest.raises(argparse.ArgumentTypeError, match="size"):
         byte_size(text)
+
+
+def test_kv_cache_bytes_sizes_the_servers_pool(model_dir):
+    """``--kv-cache-bytes`` of three 128-token blocks (two reserved) on the tiny model (256 KiB a
+    block): /metrics says one free block, a request that needs more gets 400 naming max_tokens and
+    one that fits is served; 0 is refused at start."""
+    proc, url = _serve(model_dir, "--slots", "2", "--max-len", "512", "--kv-cache-bytes", "768KiB")
+    try:
+        metrics = httpx.get(url + "/metrics").text
+        assert "slotinfer_kv_blocks_free 1.0" in metrics and "slotinfer_kv_blocks_used 0.0" in metrics
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 300}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    bad = subprocess.run([sys.executable, "-m", "slotinfer", "serve", str(model_dir("qwen3")), "--port", "0",
+                          "--kv-cache-bytes", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--kv-cache-bytes" in bad.stderr

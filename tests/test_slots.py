@@ -1,8 +1,9 @@
-"""The slot table's K/V write (slotinfer.slots.scatter) against a numpy reference.
+"""The slot table's K/V in pool blocks (slotinfer.slots) against a numpy reference.
 
-Engine-level equality with Model.generate (test_properties) covers the write end to end;
-here it is held to its own contract: exactly the (row, head, position) vectors named are
-written, every other element is left as it was, eagerly and inside a compiled step.
+Engine-level equality with Model.generate (test_properties) covers the table end to end;
+here it is held to its own contract: a write through a slot's block table lands at exactly the
+(slot, head, position) vectors named, eagerly and inside a compiled step; padding lands in TRASH;
+reads give back what was written; blocks go back to the pool when a slot is released.
 """
 
 from __future__ import annotations
@@ -11,70 +12,102 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slotinfer.errors import InvalidRequestError
+from slotinfer.kv import TRASH, write_index
 from slotinfer.slots import SlotTable, scatter
 
 
-def _table(slots, kv_heads, max_len, head_dim):
+def _table(slots, kv_heads, max_len, head_dim, block_size, blocks):
     cfg = SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, num_layers=1)
-    return SlotTable(cfg, slots=slots, max_len=max_len, dtype=mx.float32)
+    each = 2 * kv_heads * block_size * head_dim * 4
+    return SlotTable(cfg, slots=slots, max_len=max_len, dtype=mx.float32, kv_cache_bytes=blocks * each,
+                     block_size=block_size)
 
 
 @st.composite
 def writes(draw):
-    slots, heads = draw(st.integers(1, 6)), draw(st.integers(1, 3))
-    max_len, dim = draw(st.integers(2, 20)), draw(st.sampled_from([1, 4, 8]))
+    slots, heads = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    max_len, dim, bs = draw(st.integers(2, 20)), draw(st.sampled_from([1, 4])), draw(st.sampled_from([1, 3, 8]))
+    lengths = [draw(st.integers(1, max_len)) for _ in range(slots)]
     rows = draw(st.lists(st.integers(0, slots - 1), min_size=1, max_size=slots, unique=True))
-    L = draw(st.integers(1, max_len))
-    # distinct positions within each row (a chunk's tokens), the trash column included
-    pos = [draw(st.lists(st.integers(0, max_len), min_size=L, max_size=L, unique=True)) for _ in rows]
-    return slots, heads, max_len, dim, rows, pos
+    L = draw(st.integers(1, min(lengths[r] for r in rows)))
+    # distinct positions within each row (a chunk's tokens), or -1: padding
+    pos = [draw(st.lists(st.integers(0, lengths[r] - 1), min_size=L, max_size=L, unique=True)) for r in rows]
+    pad = [[draw(st.booleans()) and j > 0 for j in range(L)] for _ in rows]
+    return slots, heads, max_len, dim, bs, lengths, rows, [[-1 if q else p for p, q in zip(ps, qs)]
+                                                          for ps, qs in zip(pos, pad)]
 
 
 @settings(max_examples=60, deadline=None)
 @given(writes(), st.booleans(), st.integers(0, 2**32 - 1))
-def test_scatter_writes_exactly_the_named_vectors(case, compiled, seed):
-    slots, heads, max_len, dim, rows, pos = case
-    t = _table(slots, heads, max_len, dim)
+def test_writes_land_at_the_named_positions_of_each_slot(case, compiled, seed):
+    slots, heads, max_len, dim, bs, lengths, rows, pos = case
+    need = sum(-(-n // bs) for n in lengths)
+    t = _table(slots, heads, max_len, dim, bs, need + 2 + 3)
+    for s, n in enumerate(lengths):
+        t.admit(s, n)
     rng = np.random.default_rng(seed)
-    before = rng.standard_normal((slots, heads, max_len + 1, dim)).astype(np.float32)
+    before = {s: rng.standard_normal((heads, lengths[s], dim)).astype(np.float32) for s in range(slots)}
+    for s in range(slots):
+        t.write(s, mx.array(before[s])[None], mx.array(before[s])[None])
     new = rng.standard_normal((len(rows), heads, len(pos[0]), dim)).astype(np.float32)
 
-    def write(cache, rows_, pos_, new_):
-        return scatter(cache, t.flat_index(rows_, pos_), new_)
+    def write(cache, index, new_):
+        return scatter(cache, index, new_)
 
     fn = mx.compile(write) if compiled else write
-    got = np.asarray(fn(mx.array(before), mx.array(rows, dtype=mx.int32), mx.array(pos, dtype=mx.int32),
-                        mx.array(new)))
-    want = before.copy()
-    for i, r in enumerate(rows):
-        for j, p in enumerate(pos[i]):
-            want[r, :, p, :] = new[i, :, j, :]
-    np.testing.assert_array_equal(got, want)
+    t.keys[0] = fn(t.keys[0], t.index(rows, np.array(pos)), mx.array(new))
+    for s in range(slots):
+        want = before[s].copy()
+        if s in rows:
+            i = rows.index(s)
+            for j, p in enumerate(pos[i]):
+                if p >= 0:
+                    want[:, p] = new[i, :, j]
+        np.testing.assert_array_equal(np.asarray(t.read(s, 0, lengths[s])[0][0]), want)
+        np.testing.assert_array_equal(np.asarray(t.read(s, 0, lengths[s])[1][0]), before[s])  # values untouched
+    if any(p < 0 for ps in pos for p in ps):
+        assert np.any(np.asarray(t.keys[0][TRASH]) != 0)  # padding went to TRASH
+    assert not np.any(np.asarray(t.keys[0][0]))  # ZERO is never written
+    for s in range(slots):
+        t.release(s)
+    assert t.pool.num_free == t.num_blocks - 2 and t.stats()["blocks_used"] == 0
 
 
-def test_scatter_takes_a_transposed_update():
-    """Updates arrive as views ([n, L, heads, dim] transposed); the write follows their logical order."""
-    t = _table(3, 2, 6, 4)
-    upd = mx.arange(2 * 3 * 2 * 4, dtype=mx.float32).reshape(2, 3, 2, 4).transpose(0, 2, 1, 3)
-    rows, pos = mx.array([2, 0]), mx.array([[1, 2, 3], [0, 4, 6]])
-    got = np.asarray(scatter(mx.zeros((3, 2, 7, 4)), t.flat_index(rows, pos), upd))
-    u = np.asarray(upd)
-    np.testing.assert_array_equal(got[2, :, 1:4], u[0])
-    np.testing.assert_array_equal(got[0, :, [0, 4, 6]].transpose(1, 0, 2), u[1])
-    assert np.count_nonzero(got[1]) == 0
+def test_admission_reserves_blocks_and_a_write_past_them_is_refused():
+    t = _table(2, 1, 16, 4, 4, 2 + 5)
+    assert t.can_admit(12) and t.capacity_tokens == 16
+    t.admit(0, 12)  # 3 blocks
+    assert t.stats()["blocks_used"] == 3 and not t.can_admit(12) and t.can_admit(8)
+    with pytest.raises(InvalidRequestError, match="grow the slot first"):
+        t.index([0], np.array([[12]]))
+    t.release(0)
+    assert t.can_admit(16)
 
 
 def test_offsets_widen_to_int64_only_past_int32():
     """A layer of 2**31 elements or more needs 64-bit offsets; smaller ones keep 32-bit."""
-    def last_offsets(slots, heads, capacity, dim):
-        t = SlotTable.__new__(SlotTable)  # the shape only: no K/V allocated
-        t.slots, t.kv_heads, t.capacity, t.head_dim = slots, heads, capacity, dim
-        return t.flat_index(mx.array([slots - 1]), mx.array([[capacity - 1]]))
+    def last_offsets(num_blocks, heads, bs, dim):
+        return write_index(mx.array([[num_blocks - 1]]), mx.array([[bs - 1]]), kv_heads=heads, block_size=bs,
+                           head_dim=dim, num_blocks=num_blocks)
 
-    assert last_offsets(64, 8, 32768, 128).dtype == mx.int64  # 2**31 elements exactly
-    assert last_offsets(64, 8, 32767, 128).dtype == mx.int32
-    last = last_offsets(64, 8, 40000, 128)
-    assert int(last[-1].item()) == 64 * 8 * 40000 * 128 - 1  # no wrap-around
+    assert last_offsets(2048, 8, 1024, 128).dtype == mx.int64  # 2**31 elements exactly
+    assert last_offsets(2047, 8, 1024, 128).dtype == mx.int32
+    last = last_offsets(2500, 8, 1024, 128)
+    assert int(last[-1].item()) == 2500 * 8 * 1024 * 128 - 1  # no wrap-around
+
+
+def test_the_arrays_grow_with_admissions_up_to_the_budget_and_keep_what_they_hold():
+    t = _table(4, 1, 8, 2, 4, 2 + 8)  # 8 usable blocks of 4 tokens; a slot holds 2
+    assert t.keys[0].shape[0] == 2 + 2 and t.stats()["kv_cache_budget_bytes"] == 10 * t.block_nbytes
+    t.admit(0, 8)
+    t.write(0, mx.ones((1, 1, 8, 2)), mx.ones((1, 1, 8, 2)))
+    for s in (1, 2, 3):
+        t.admit(s, 8)
+    assert t.keys[0].shape[0] == 10 and t.nbytes == 10 * t.block_nbytes
+    np.testing.assert_array_equal(np.asarray(t.read(0, 0, 8)[0]), np.ones((1, 1, 8, 2)))
+    assert not np.any(np.asarray(t.keys[0][0]))  # ZERO stays zero

@@ -169,6 +169,18 @@ def test_a_grammar_slower_than_the_bound_is_refused(models, monkeypatch):
         m.generate([5], regex="[0-9]+x", max_tokens=2)
 
 
+def test_the_noise_of_a_draw_is_finite_for_every_bit_pattern():
+    """A masked token is -inf; infinite noise would make it NaN, which argmax picks."""
+    import mlx.core as mx
+    import numpy as np
+
+    from slotinfer.sampling import gumbel_of
+
+    bits = mx.array([0, 1, 255, 511, 2**31, 2**32 - 512, 2**32 - 257, 2**32 - 1], dtype=mx.uint32)
+    noise = np.array(gumbel_of(bits))
+    assert np.isfinite(noise).all() and (np.diff(noise) >= 0).all()
+
+
 def test_logit_bias_bans_and_forces_tokens(models):
     m = models["llama"]
     free = m.generate([5, 6, 7], max_tokens=8, ignore_eos=True)

@@ -20,7 +20,12 @@ def add_parser(sub):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
     p.add_argument("--max-len", type=positive_int, default=None,
-                   help="tokens per slot, prompt and output (default 2048, or the model's context if shorter)")
+                   help="tokens one request may hold, prompt and output (default 2048, or the model's context if "
+                        "shorter; at most the model's context)")
+    p.add_argument("--kv-cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="the K/V pool every slot draws its blocks from, e.g. 2GiB (default: what slots x max-len "
+                        "tokens take, at most a quarter of the memory); a request waits until its prompt and "
+                        "max_tokens fit")
     p.add_argument("--prefix-cache-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="the prefix cache's budget, e.g. 1GiB (default: an eighth of the memory, at most 4 GiB; "
                         "docs/prefix-cache.md)")
@@ -55,18 +60,21 @@ def run(args) -> int:
     if args.max_queue < 0:
         print("slotinfer: error: --max-queue must be >= 0", file=sys.stderr)
         return 2
+    if args.kv_cache_bytes == 0:
+        print("slotinfer: error: --kv-cache-bytes must be above 0 (leave it out for the default)", file=sys.stderr)
+        return 2
     import slotinfer
 
     model = slotinfer.load(args.model)
     if args.max_len is None:
         args.max_len = min(DEFAULT_MAX_LEN, model.context_length)
-    if args.max_len > model.context_length:  # before the slot table reserves slots x max_len tokens of K/V
+    if args.max_len > model.context_length:
         print(f"slotinfer: error: --max-len {args.max_len} is beyond the model's context of {model.context_length} "
               f"tokens; give at most {model.context_length}", file=sys.stderr)
         return 2
     inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
                                prefix_cache_bytes=0 if args.no_prefix_cache else args.prefix_cache_bytes,
-                               kv_dtype=args.kv_dtype)
+                               kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes)
     try:
         app = build_app(inf, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
@@ -81,7 +89,8 @@ def run(args) -> int:
             return 2
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"slotinfer serve: {app.state.slotinfer.name} running on http://{host}:{sock.getsockname()[1]} "
-              f"({args.slots} slots of {args.max_len} tokens, max queue {args.max_queue or 'unbounded'}, "
+              f"({args.slots} slots of up to {args.max_len} tokens, K/V pool "
+              f"{inf.engine.memory()['kv_cache_budget_bytes'] / 2**30:.2f} GiB, max queue {args.max_queue or 'unbounded'}, "
               f"API key {'required' if args.api_key else 'not required'})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; a handler that
         # ignores it lets a requested shutdown end as a success (exit 0) instead of a kill.

@@ -25,6 +25,13 @@ import mlx.core as mx
 BLOCK_SIZE = 32  # tokens a block holds: a hit reuses whole blocks, so at most 31 tokens of a prefix are recomputed
 
 
+def chain_hash(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
+    """The key of a block of ``tokens`` after the block keyed ``parent`` (None: the first block):
+    one key names a whole prefix.  A match must still be checked against the block's own tokens,
+    parent and salt (the block pool and the prefix cache both do)."""
+    return hash((parent, tokens, salt))
+
+
 @dataclass(eq=False)
 class Block:
     key: int
@@ -58,9 +65,7 @@ class PrefixCache:
     def nbytes(self) -> int:
         return len(self.blocks) * self.block_bytes
 
-    @staticmethod
-    def chain(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
-        return hash((parent, tokens, salt))
+    chain = staticmethod(chain_hash)
 
     def _cached(self, key: int, parent: int | None, tokens: tuple[int, ...], salt: str | None) -> bool:
         """Whether ``key`` holds exactly this block: a hash match is checked against the block itself."""

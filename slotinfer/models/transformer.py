@@ -9,7 +9,9 @@ attention *context* passed to ``__call__``, which is either the reference
 Attention context protocol::
 
     ctx.offset                         # rope position of the first new token: int or [B] array
-    ctx.update(layer, keys, values)    # store new K/V [B, kv_heads, L, head_dim]; return what to attend over
+    ctx.update(layer, keys, values)    # store new K/V [B, kv_heads, L, head_dim]; return what to attend over:
+                                       # (k, v), or (paged, None) where paged.attend(q, scale, mask, softcap,
+                                       # ops, split) attends over K/V kept in blocks
     ctx.mask(layer, L, window)         # None, "causal", or a bool mask broadcastable to [B, 1, L, S]
 
 Projections are fused at load time (q|k|v into ``qkv_proj``, gate|up into
@@ -193,7 +195,11 @@ class Attention(nn.Module):
         v = v.reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         k, v = ctx.update(self.layer, k, v)
         split = self.ops.attention_streams if L == 1 else 1  # a decode step reads every slot's K/V
-        out = attend_split(q, k, v, self.scale, ctx.mask(self.layer, L, self.window), self.softcap, self.ops, split)
+        mask = ctx.mask(self.layer, L, self.window)
+        if hasattr(k, "attend"):  # K/V kept in pool blocks (slotinfer.kv.PagedKV): read through its block tables
+            out = k.attend(q, self.scale, mask, self.softcap, self.ops, split)
+        else:
+            out = attend_split(q, k, v, self.scale, mask, self.softcap, self.ops, split)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -302,6 +308,8 @@ class Transformer(nn.Module):
 
     def _head_weight(self, ids):
         layer = self.model.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        if hasattr(layer, "weight_rows"):  # GGUF blocks on CPU (slotinfer.cpu.qlayers)
+            return layer.weight_rows(ids)
         if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             return mx.dequantize(layer.weight[ids], layer.scales[ids], layer.biases[ids],
                                  group_size=layer.group_size, bits=layer.bits)

@@ -22,9 +22,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .. import tools
 from ..cpu import allocator
 from ..errors import Cancelled, InvalidRequestError, PromptTooLongError
-from ..request import short
+from ..request import CONSTRAINTS, short
 from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
@@ -99,6 +100,7 @@ class _Server:
         self.metrics = Metrics(inferencer)
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
+        self.tool_format = tools.format_of(self.model)  # the format its tool calls are parsed in
         self._classify_pending = 0  # classifications submitted to the Inferencer that have not ended
         self.classify_limits = classify_limits
 
@@ -135,15 +137,40 @@ class _Server:
             req = (parse_chat if chat else parse_completion)(await self._json(request))
             self._check_model(req.model)
             self._check_fits(req)
+            self._force_call(req)
             prompts = await asyncio.to_thread(self._encode, req)  # seconds for a prompt of megabytes
+            await asyncio.to_thread(self._compile, req)  # seconds for a hard schema
             handles, prompt_tokens = await self._submit(req, prompts)
         except Exception as e:
             return self._refuse(endpoint, e)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        shaper = Shaper(chat, self.name, self.token_text)
+        shaper = Shaper(chat, self.name, self.token_text, self.tool_format if req.tools else None)
         if req.stream:
             return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
         return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
+
+    def _force_call(self, req: GenerateRequest):
+        """``tool_choice`` "required" or a named function: the output constrained to a call in the
+        model's format, its arguments following the function's parameter schema."""
+        if req.tools and req.tool_choice != "auto":
+            name = None if req.tool_choice == "required" else req.tool_choice
+            req.params["grammar"] = tools.forced_grammar(req.tools, self.tool_format, name=name,
+                                                         parallel=req.parallel_tool_calls and name is None)
+
+    def _compile(self, req: GenerateRequest):
+        """A constrained request's grammar compiled on a worker thread (bounded by SLOTINFER_GRAMMAR_SECONDS),
+        so that submit finds it compiled and the event loop never waits on a compile; a bad one is a 400
+        naming the field the client sent."""
+        kinds = [k for k in CONSTRAINTS if req.params.get(k) is not None]
+        if not kinds:
+            return
+        try:
+            self.model.grammars.constraint({kinds[0]: req.params[kinds[0]]})
+        except InvalidRequestError as e:
+            if req.tools and req.tool_choice != "auto":
+                raise APIError(400, f"a function's parameters in 'tools' do not compile into the grammar that forces "
+                                    f"the call: {e}", param="tools") from None
+            raise APIError(400, str(e), param=req.constrained_by or getattr(e, "param", None)) from None
 
     def _check_fits(self, req: GenerateRequest):
         """400 for a request with more rows than the slots and the queue bound hold together: a 429 would
@@ -188,7 +215,7 @@ class _Server:
         texts = []
         try:
             for p in req.prompts:
-                texts.append(model.chat_prompt(messages=p) if req.chat else p)
+                texts.append(tools.render(model, p, req.tools) if req.chat else p)
             return [model.encode_prompt(t) for t in texts]
         except InvalidRequestError as e:  # the prompt itself: too long, empty, ids outside the vocabulary
             raise APIError(400, str(e), param=param,
@@ -272,7 +299,8 @@ class _Server:
             while left:
                 i, ev = await events.get()
                 if ev is not None:  # a chunk per token, even one whose text waits for more bytes
-                    yield shaper.chunk(i, ev.text, logprobs=shaper.event_logprobs(ev))
+                    for chunk in shaper.text_chunks(i, ev.text, logprobs=shaper.event_logprobs(ev)):
+                        yield chunk
                     continue
                 left -= 1
                 try:
@@ -284,7 +312,8 @@ class _Server:
                     failed = cut_short()
                     break
                 generated += len(c.tokens)
-                yield shaper.chunk(i, "", finish=c.finish_reason)
+                for chunk in shaper.end_chunks(i, c.finish_reason):
+                    yield chunk
             if failed is not None:
                 outcome = "cancelled" if failed.code == "shutting_down" else "error"
                 yield sse(failed.body())

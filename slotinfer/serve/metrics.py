@@ -16,11 +16,15 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         stat = lambda key: (lambda: inferencer.stats()[key])  # noqa: E731  read at scrape time
         Gauge("slotinfer_requests_running", "Requests holding a slot", registry=r).set_function(stat("active_slots"))
-        Gauge("slotinfer_requests_waiting", "Requests waiting for a slot", registry=r).set_function(stat("waiting"))
+        Gauge("slotinfer_requests_waiting", "Requests waiting for a slot or K/V blocks", registry=r).set_function(stat("waiting"))
         Gauge("slotinfer_prefill_tokens_per_second", "Prefill tokens/s since start (time in prefill only)",
               registry=r).set_function(stat("prefill_tokens_per_s"))
         Gauge("slotinfer_decode_tokens_per_second", "Decode tokens/s since start (time in engine steps only)",
               registry=r).set_function(stat("decode_tokens_per_s"))
+        Gauge("slotinfer_kv_blocks_used", "K/V pool blocks held by requests (reserved at admission)",
+              registry=r).set_function(stat("blocks_used"))
+        Gauge("slotinfer_kv_blocks_free", "K/V pool blocks free", registry=r).set_function(stat("blocks_free"))
+        Gauge("slotinfer_kv_block_tokens", "Tokens one K/V block holds", registry=r).set_function(stat("block_tokens"))
         r.register(PrefixCacheCollector(inferencer))
         self.requests = Counter("slotinfer_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)

@@ -6,12 +6,17 @@ import json
 import time
 import uuid
 
+from ..tools import StreamParser, ToolCall, parse
+
 
 class Shaper:
     """Builds the bodies of one request (one id, one ``created``), completion or chat."""
 
-    def __init__(self, chat: bool, model: str, token_text: TokenText):
+    def __init__(self, chat: bool, model: str, token_text: TokenText, tool_format: str | None = None):
         self.chat, self.model = chat, model
+        self.tool_format = tool_format  # chat with tools: replies are parsed for calls in this format
+        self._parsers: dict[int, StreamParser] = {}
+        self._calls: dict[int, int] = {}  # tool calls streamed so far, per choice
         self.token_text = lambda t: token_text(t)[0]
         self.token_bytes = lambda t: list(token_text(t)[1])
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -29,7 +34,14 @@ class Shaper:
         for index, c, lp in rows:
             choice = {"index": index, "finish_reason": finish_reason(c.finish_reason),
                       "logprobs": self.logprobs(c.tokens, c.logprobs, c.top_logprobs) if lp else None}
-            if self.chat:
+            if self.chat and self.tool_format:
+                content, calls = parse(c.text, self.tool_format)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = [call.openai() for call in calls]
+                    if c.finish_reason != "length":  # a reply cut short says so, whatever calls it holds
+                        choice["finish_reason"] = "tool_calls"
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = c.text
@@ -46,6 +58,46 @@ class Shaper:
         else:
             choice["text"] = text
         return sse({**self._head(True), "choices": [choice]})
+
+    def text_chunks(self, index: int, text: str, logprobs=None) -> list[str]:
+        """The chunks of one streamed token's text: with tools, its content (held back while it may
+        start a call) then each call it completes."""
+        if not self.tool_format:
+            return [self.chunk(index, text, logprobs=logprobs)]
+        parts = self._parser(index).feed(text)
+        return [self.chunk(index, "".join(p for p in parts if isinstance(p, str)), logprobs=logprobs),
+                *self._call_chunks(index, parts)]
+
+    def end_chunks(self, index: int, reason: str) -> list[str]:
+        """The last chunks of a choice: with tools, what was held back, then the finish reason."""
+        out = []
+        if self.tool_format:
+            parser = self._parser(index)
+            parts = parser.finish()
+            text = "".join(p for p in parts if isinstance(p, str))
+            out = ([self.chunk(index, text)] if text else []) + self._call_chunks(index, parts)
+            reason = "tool_calls" if parser.calls and reason != "length" else reason
+        return [*out, self.chunk(index, "", finish=reason)]
+
+    def _parser(self, index: int) -> StreamParser:
+        if index not in self._parsers:
+            self._parsers[index] = StreamParser(self.tool_format)
+        return self._parsers[index]
+
+    def _call_chunks(self, index: int, parts: list) -> list[str]:
+        """OpenAI's tool-call deltas: the call's index, id and name, then its arguments."""
+        out = []
+        for call in parts:
+            if isinstance(call, ToolCall):
+                k = self._calls[index] = self._calls.get(index, -1) + 1
+                head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+                out += [self._delta(index, {"tool_calls": [head]}),
+                        self._delta(index, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]})]
+        return out
+
+    def _delta(self, index: int, delta: dict) -> str:
+        return sse({**self._head(True), "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                                     "finish_reason": None}]})
 
     def usage_chunk(self, usage: dict) -> str:
         return sse({**self._head(True), "choices": [], "usage": usage})
@@ -129,8 +181,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def finish_reason(reason: str) -> str:
-    """OpenAI knows "stop" and "length"; a cancelled row (the server shutting down) reads as "stop"."""
-    return "length" if reason == "length" else "stop"
+    """OpenAI knows "stop", "length" and "tool_calls"; a cancelled row (the server shutting down) reads as "stop"."""
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
 def sse(obj) -> str:

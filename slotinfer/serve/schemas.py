@@ -11,25 +11,30 @@ Any other field is a 400 naming it, with the close match (``max_tokns``: did you
 from __future__ import annotations
 
 import difflib
+import json
+import re
 from dataclasses import dataclass, field
 
 from .. import request
 from ..errors import InvalidRequestError
-from ..request import short
+from ..request import short, some
 from .errors import bad_param
 
 MAX_N = 64  # choices per request: each is a slot's worth of work
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
+MAX_TOOLS = 128  # as OpenAI's API
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's API
 
-# The fields each endpoint takes (docs/serve.md): OpenAI's, then slotinfer's extensions.
-_NOTHING_HERE = ("user", "service_tier", "store", "metadata", "parallel_tool_calls", "prompt_cache_key",
-                 "safety_identifier")
+# The fields each endpoint takes (docs/serve.md): OpenAI's, then slotinfer's extensions (vLLM's among them).
+_NOTHING_HERE = ("user", "service_tier", "store", "metadata", "prompt_cache_key", "safety_identifier")
+_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar")
 _SHARED = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-           "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", *_NOTHING_HERE,
+           "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", *_NOTHING_HERE, *_CONSTRAINTS,
            "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt")
 COMPLETION_FIELDS = ("prompt", *_SHARED, "logprobs", "echo", "suffix", "best_of")
-CHAT_FIELDS = ("messages", *_SHARED, "logprobs", "top_logprobs", "response_format",
-               "tools", "tool_choice", "functions", "function_call")
+CHAT_FIELDS = ("messages", *_SHARED, "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+               "functions", "function_call")
 CLASSIFY_FIELDS = ("model", "input", "labels", "prefix", "label_prefix", "user")
 
 
@@ -58,6 +63,10 @@ class GenerateRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     params: dict = field(default_factory=dict)  # for Inferencer.submit
+    tools: list | None = None  # chat: the tools offered (OpenAI's objects); None: no tool calls parsed
+    tool_choice: str | None = None  # "auto", "required", or the one function's name that must be called
+    parallel_tool_calls: bool = True
+    constrained_by: str | None = None  # the field that constrains the output (response_format...), if one does
 
 
 @dataclass(frozen=True)
@@ -119,27 +128,78 @@ def _checked(name, value, key=None):
         raise bad_param(key, str(e) if key == name else f"'{key}': {e}") from None
 
 
-def _refused(body):
-    """Parameters this server does not implement, refused by name rather than ignored."""
-    for name in ("frequency_penalty", "presence_penalty"):
+def _library(name, value, key=None):
+    """``value`` checked by the library's own table, where it has the parameter ``name``."""
+    return _checked(name, value, key) if name in request.PARAMS else value
+
+
+def _penalties(body, params: dict):
+    """OpenAI's presence and frequency penalties, and ``logit_bias`` (token ids as strings, as JSON keys are)."""
+    for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
-            raise bad_param(name, f"'{name}' is not supported by this server (only 0); use repetition_penalty "
-                                  f"(> 1 discourages repeats) instead")
-    if body.get("logit_bias"):
-        raise bad_param("logit_bias", "'logit_bias' is not supported by this server")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_param(name, f"'{name}' (tool calling) is not supported by this server")
-    for name in ("tool_choice", "function_call"):  # with no tools, "auto" is "none"
-        if body.get(name) not in (None, "none", "auto"):
-            raise bad_param(name, f"'{name}' (tool calling) is not supported by this server (only 'none')")
+            params[name] = _library(name, body[name])
+    bias = body.get("logit_bias")
+    if bias:
+        if not isinstance(bias, dict):
+            raise bad_param("logit_bias", f"'logit_bias' must be an object of token id: bias, got {short(bias)}")
+        ids = {}
+        for key, value in bias.items():
+            try:
+                ids[int(key)] = value
+            except ValueError:
+                raise bad_param("logit_bias", f"'logit_bias' keys must be token ids (integers, as strings), got "
+                                              f"{short(key)}") from None
+        params["logit_bias"] = _library("logit_bias", ids)
+
+
+# vLLM's structured_outputs keys -> the library's parameters; guided_X is the older spelling of each
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _constraint(body) -> tuple[str, str, object] | None:
+    """(field, library parameter, value) of the one constraint on the output, if any: ``response_format``,
+    vLLM's ``structured_outputs`` or its older ``guided_*`` fields.  Two are a 400 naming the second."""
+    found = []
     fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
-        raise bad_param("response_format", "only response_format {'type': 'text'} is supported by this server")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad_param("response_format", "'response_format' must be {'type': 'text'}, {'type': "
+                                               "'json_object'} or {'type': 'json_schema', 'json_schema': {...}}, "
+                                               f"got {short(fmt)}")
+        if fmt["type"] == "json_object":
+            found.append(("response_format", "json_schema", {"type": "object"}))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_param("response_format", "'response_format.json_schema' must be an object with a 'schema' "
+                                                   f"(a JSON Schema object), got {short(spec)}")
+            found.append(("response_format", "json_schema", spec.get("schema", {"type": "object"})))
+    outs = _get(body, "structured_outputs", (dict,), "an object", {})
+    for key, value in outs.items():
+        if key == "json_object":
+            if value is True:
+                found.append(("structured_outputs.json_object", "json_schema", {"type": "object"}))
+            continue
+        if key not in _STRUCTURED:
+            raise bad_param(f"structured_outputs.{key}", f"'structured_outputs' takes json, regex, choice, grammar "
+                                                         f"or json_object, not {short(key)}")
+        if value is not None:
+            found.append((f"structured_outputs.{key}", _STRUCTURED[key], value))
+    found += [(f"guided_{k}", p, body[f"guided_{k}"]) for k, p in _STRUCTURED.items()
+              if body.get(f"guided_{k}") is not None]
+    if len(found) > 1:
+        raise bad_param(found[1][0], f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; give one")
+    if not found:
+        return None
+    where, name, value = found[0]
+    kinds = {"json_schema": ((dict, str), "a JSON Schema (an object, or its JSON text)"), "regex": ((str,), "a string"),
+             "grammar": ((str,), "a Lark grammar (a string)"), "choice": ((list,), "a list of strings")}[name]
+    if not isinstance(value, kinds[0]) or name == "choice" and not (value and all(isinstance(c, str) for c in value)):
+        raise bad_param(where, f"'{where}' must be {kinds[1]}, got {short(value)}")
+    return where, name, value
 
 
 def _common(body, chat: bool, prompts) -> GenerateRequest:
-    _refused(body)
     model = _get(body, "model", (str,), "a string")
     req = GenerateRequest(chat=chat, model=model, prompts=prompts)
     req.n = _int(body, "n", 1, MAX_N, 1)
@@ -152,6 +212,11 @@ def _common(body, chat: bool, prompts) -> GenerateRequest:
     if body.get(key) is not None:
         req.max_tokens, req.max_tokens_param = _checked("max_tokens", body[key], key), key
     _passed_on(body, req.params)
+    _penalties(body, req.params)
+    constraint = _constraint(body)
+    if constraint:
+        req.params[constraint[1]] = _library(constraint[1], constraint[2], constraint[0])
+        req.constrained_by = constraint[0]
     return req
 
 
@@ -190,7 +255,69 @@ def parse_chat(body: dict) -> GenerateRequest:
     req.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if req.top_logprobs and not req.logprobs:
         raise bad_param("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    _tools(body, req)
     return req
+
+
+def _tools(body, req: GenerateRequest):
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` onto ``req``: the tools to offer (none with
+    ``tool_choice: "none"``) and whether a call is forced, which no other constraint may share."""
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise bad_param(name, f"'{name}' is OpenAI's retired form of tool calling; send 'tools' and "
+                                  f"'tool_choice' instead (docs/tool-calling.md)")
+    req.parallel_tool_calls = _bool(body, "parallel_tool_calls", True)
+    tools = _get(body, "tools", (list,), "a list of {'type': 'function', 'function': {...}} objects")
+    choice = body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise bad_param("tool_choice", f"'tool_choice' {short(choice)} needs 'tools' to choose from")
+        return
+    if len(tools) > MAX_TOOLS:
+        raise bad_param("tools", f"'tools' lists {len(tools)} tools; at most {MAX_TOOLS} are taken")
+    checked = [_tool(t, i) for i, t in enumerate(tools)]
+    names = [t["function"]["name"] for t in checked]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise bad_param("tools", f"'tools' names the function {twice[0]!r} more than once")
+    if choice in (None, "auto", "required"):
+        req.tool_choice = choice or "auto"
+    elif choice == "none":
+        return
+    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str)):
+        req.tool_choice = choice["function"]["name"]
+        if req.tool_choice not in names:
+            raise bad_param("tool_choice", f"'tool_choice' names the function {short(req.tool_choice)}, which 'tools' "
+                                           f"does not list (it lists {some(names)})")
+    else:
+        raise bad_param("tool_choice", "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', "
+                                       f"'function': {{'name': ...}}}}, got {short(choice)}")
+    if req.tool_choice != "auto" and req.constrained_by:
+        raise bad_param(req.constrained_by, f"'tool_choice' {short(choice)} constrains the output to a tool call "
+                                            f"already; leave out '{req.constrained_by}', or set tool_choice to 'auto'")
+    req.tools = checked
+
+
+def _tool(t, i) -> dict:
+    where = f"tools[{i}]"
+    fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+    if not isinstance(fn, dict):
+        raise bad_param(where, f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                               f"{{...}}}}}}, got {short(t)}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise bad_param(f"{where}.function.name", f"{where}.function.name must be 1 to 64 letters, digits, '_' or "
+                                                  f"'-', got {short(name)}")
+    out = {"name": name}
+    if fn.get("description") is not None:
+        out["description"] = _get(fn, "description", (str,), "a string")
+    if fn.get("parameters") is not None:
+        if not isinstance(fn["parameters"], dict):
+            raise bad_param(f"{where}.function.parameters", f"{where}.function.parameters must be a JSON Schema "
+                                                            f"object, got {short(fn['parameters'])}")
+        out["parameters"] = fn["parameters"]
+    return {"type": "function", "function": out}
 
 
 def _message(m, i) -> dict:
@@ -210,6 +337,31 @@ def _message(m, i) -> dict:
         raise bad_param(f"{where}.content", f"{where}.content must be a string or a list of text parts")
     out = {k: v for k, v in m.items() if k not in ("content",)}
     out["content"] = content or ""
+    if m.get("tool_calls") is not None:
+        out["tool_calls"] = _message_calls(m["tool_calls"], where)
+    return out
+
+
+def _message_calls(calls, where) -> list:
+    """An assistant turn's earlier calls, as OpenAI sends them (arguments as JSON text)."""
+    if not isinstance(calls, list):
+        raise bad_param(f"{where}.tool_calls", f"{where}.tool_calls must be a list of calls, got {short(calls)}")
+    out = []
+    for j, c in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_param(at, f"{at} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                                f"'arguments': '{{...}}'}}}}, got {short(c)}")
+        args = fn.get("arguments", "{}")
+        try:
+            ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise bad_param(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object (as text), "
+                                                        f"got {short(args)}")
+        out.append({**c, "function": {**fn, "arguments": args}})
     return out
 
 

@@ -1,26 +1,80 @@
-"""Prototype: a quantized linear layer on CPU as an MLX primitive (``x @ dequant(W).T``, W in GGUF
-Q8_0 / Q4_0 / Q4_1 blocks, float32 activations and accumulation).  See ``qkernels.h`` for the
-loops and the order of their sums, and ``docs/benchmarks.md`` ("Quantized linear layers on CPU")
-for what they measure.  Not part of the install and not used by the model yet: build it with
-``sh slotinfer/cpu/qkernel/build.sh .venv/bin/python``.  Import after ``mlx.core``.
+"""Quantized linear layers on CPU: ``x @ dequant(W).T`` as an MLX primitive, W in GGUF Q8_0 /
+Q4_0 / Q4_1 blocks as the file stores them, float32 activations and accumulation.
 
-``qlinear`` is None (and ``error`` says why) when the extension is not built.
+The extension (``qlinear.cpp``, loops in ``qkernels.h``) is compiled when slotinfer is installed
+(``setup.py``), against the mlx wheel of the build environment; :func:`load` imports it on first
+use, and only under that same mlx version.  Where it is missing or unusable, :func:`load` returns
+None and :func:`status` says why: the CPU policy then computes these layers in float32
+(:func:`slotinfer.device.cpu_block_kernels`, docs/quantized-cpu.md).
 """
 
 from __future__ import annotations
 
 import importlib
 
-qlinear = None
-module = None
-error: str | None = None
-try:
-    import mlx.core  # noqa: F401  (the extension binds mlx.core's types)
-
-    module = importlib.import_module(__name__ + "._qkernel")
-    qlinear = module.qlinear
-except ImportError as e:  # not built, or built against another mlx
-    error = str(e)
-
 # GGUF type names -> the extension's format names
 FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+_module = None
+_error: str | None = None
+_tried = False
+
+
+def load():
+    """The built extension, ready (its thread count set), or None (see :func:`status`)."""
+    global _module, _error, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _module = _import()
+        except Exception as e:  # noqa: BLE001 - a broken build must leave the float32 path working
+            _module, _error = None, f"it failed to load ({e!r})"
+    return _module
+
+
+def _import():
+    global _error
+    import mlx.core as mx  # first: the extension binds mlx.core's types
+
+    try:
+        module = importlib.import_module(__name__ + "._qkernel")
+    except ImportError as e:
+        _error = (f"it was not built when slotinfer was installed ({e}); reinstall slotinfer with a C++20 "
+                  "compiler at hand (pip install -e . in a checkout)")
+        return None
+    if module.mlx_version != mx.__version__:
+        _error = (f"it was built against mlx {module.mlx_version} but mlx {mx.__version__} is installed; "
+                  "reinstall slotinfer to rebuild it")
+        return None
+    # one Q8_0 block (d = 1.0, q = 0..31) against x = 1: an mx.array that does not pass (another
+    # nanobind ABI than mlx.core's) or a wrong sum shows here, not inside a model
+    block = mx.array([0, 60] + list(range(32)), dtype=mx.uint8).reshape(1, 34)
+    try:
+        got = module.qlinear(mx.ones((1, 32)), block, "q8_0").item()
+    except (TypeError, RuntimeError, ValueError) as e:
+        got = e
+    if got != sum(range(32)):
+        _error = f"its self-check failed ({got!r} where {sum(range(32))} was due); reinstall slotinfer"
+        return None
+    from .. import blas
+
+    module.set_threads(blas.ensure_blas().threads or blas.usable_cores())
+    return module
+
+
+def status() -> str:
+    """One line for ``slotinfer info``: the loops in use and their threads, or why there are none."""
+    module = load()
+    if module is None:
+        return f"unavailable: {_error}"
+    return f"{module.kernels()} loops, {module.threads()} threads"
+
+
+def qlinear(x, w, fmt: str):
+    """``x @ dequant(w).T``: ``x`` float32 [..., k], ``w`` uint8 [n, k / 32 blocks] in ``fmt``
+    (``q8_0``, ``q4_0``, ``q4_1``).  Raises RuntimeError where the extension is unavailable."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"slotinfer's quantized CPU kernels are unavailable: {_error}")
+    return module.qlinear(x, w, fmt)

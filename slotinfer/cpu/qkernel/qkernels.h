@@ -6,14 +6,21 @@
 //   Q4_1: f16 d, f16 m, 16 bytes nibbles (20 bytes)  w = d * q + m
 // Nibble j (0..15) of byte i: low nibble is weight i, high nibble weight i + 16.
 //
-// Order of the sum (the batch-invariance contract): out[r, j] has one 8-lane float32
-// accumulator; for each block b in order, the block's four 8-weight slices are added
-// with one multiply-add each, in order; the lanes are then reduced in a fixed tree.
-// That order depends on k alone, never on the number of rows, the other rows' values,
-// the column tiling or the thread count.  Weights are decoded once per block and used
-// for every row of the call (up to ROW_CHUNK rows), so a call reads the weights once.
+// How a call goes: the columns (weight rows) are taken a panel of C at a time; a panel's blocks
+// are decoded once to float32 weights (d * q exactly; d * q + m rounded once for Q4_1: the scales
+// are applied here, never in the loop over rows) into a small buffer, and every row of x then
+// meets the buffer in tiles of R rows x C columns whose R * C accumulators stay in registers.
+// A single row skips the buffer: each block goes from its decoding straight to the row's sums.
+//
+// Order of the sum (the batch-invariance contract): out[r, j] has one V-lane float32 accumulator
+// (V = 8 with AVX2, 16 with AVX-512, 8 portably); for each block b in order, the block's 32 / V
+// slices are added with one multiply-add each, in order; the lanes are then reduced in a fixed
+// tree.  That order depends on k and the instruction set alone, never on the number of rows, the
+// other rows' values, the tiling or the thread count.  The instruction set is chosen once per
+// process from the CPU, so on one machine a row's result is the same in every batch.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -28,9 +35,9 @@ namespace qk {
 enum class Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
 
 constexpr int BLOCK = 32;
-constexpr int ROW_CHUNK = 32;  // rows whose accumulators a column group keeps at once
-constexpr int GROUP = 8;       // columns a thread's share and the AVX2 loops go in
-constexpr int K_CHUNK = 4;     // blocks of k a column group takes at a time
+constexpr int ROW_CHUNK = 64;  // rows a decoded panel serves before the next panel is decoded
+constexpr int GROUP = 8;       // columns a thread's share goes in (a multiple of every panel width)
+constexpr int K_CHUNK = 8;     // blocks of k a row tile takes at a time
 
 inline int block_bytes(Format f) {
   switch (f) {
@@ -69,21 +76,7 @@ inline float half_to_float(const uint8_t* p) {
   return f;
 }
 
-// The loops below take x packed by pack_rows: rows [r0, r1) block by block, each block's rows
-// side by side ([k / 32][r1 - r0][32]), so the rows a decoded block meets are contiguous.  Rows
-// read in place would sit k floats apart, and with k a multiple of 1024 every row falls in the
-// same L1 cache set.
-inline void pack_rows(const float* x, int k, int r0, int r1, float* xp) {
-  const int nb = k / BLOCK, rows = r1 - r0;
-  for (int r = r0; r < r1; ++r)
-    for (int b = 0; b < nb; ++b)
-      std::memcpy(xp + ((size_t)b * rows + (r - r0)) * BLOCK, x + (size_t)r * k + (size_t)b * BLOCK,
-                  BLOCK * sizeof(float));
-}
-
-// ---------------------------------------------------------------- portable loops
-
-// Decode one block to 32 floats.
+// One block to 32 floats, portably (the reference the vector decoders equal bit for bit).
 inline void decode_portable(Format f, const uint8_t* blk, float* w) {
   float d = half_to_float(blk);
   if (f == Format::Q8_0) {
@@ -105,48 +98,53 @@ inline void decode_portable(Format f, const uint8_t* blk, float* w) {
   }
 }
 
-inline float reduce8(const float* a) {  // the fixed tree, as the AVX2 reduction
+// The arguments of one thread's share: columns [j0, j1), every row of x.
+struct Job {
+  Format f;
+  const float* x;
+  const uint8_t* W;
+  float* out;
+  int m, k, n, j0, j1;
+};
+
+// ---------------------------------------------------------------- portable loops (8 lanes)
+
+inline float reduce8(const float* a) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), as avx2_reduce
   float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
   return (s0 + s2) + (s1 + s3);
 }
 
-// Columns [j0, j1) of out for rows [r0, r1).
-inline void columns_portable(Format f, const float* x, const uint8_t* W, float* out, int k, int n,
-                             int r0, int r1, int j0, int j1) {
-  const int nb = k / BLOCK, bb = block_bytes(f);
-  std::vector<float> acc((size_t)(r1 - r0) * 8);
-  float w[32];
-  for (int j = j0; j < j1; ++j) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    const uint8_t* row = W + (size_t)j * nb * bb;
-    for (int b = 0; b < nb; ++b) {
-      decode_portable(f, row + (size_t)b * bb, w);
-      for (int r = r0; r < r1; ++r) {
-        const float* xr = x + ((size_t)b * (r1 - r0) + (r - r0)) * BLOCK;
-        float* a = acc.data() + (size_t)(r - r0) * 8;
-        for (int s = 0; s < 4; ++s)
-          for (int l = 0; l < 8; ++l) a[l] += w[8 * s + l] * xr[8 * s + l];
-      }
+inline void columns_portable(const Job& job) {
+  const int nb = job.k / BLOCK, bb = block_bytes(job.f), k = job.k;
+  std::vector<float> w((size_t)k);
+  for (int j = job.j0; j < job.j1; ++j) {
+    const uint8_t* row = job.W + (size_t)j * nb * bb;
+    for (int b = 0; b < nb; ++b) decode_portable(job.f, row + (size_t)b * bb, w.data() + (size_t)b * BLOCK);
+    for (int r = 0; r < job.m; ++r) {
+      const float* xr = job.x + (size_t)r * k;
+      float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int i = 0; i < k; i += 8)
+        for (int l = 0; l < 8; ++l) a[l] += w[i + l] * xr[i + l];
+      job.out[(size_t)r * job.n + j] = reduce8(a);
     }
-    for (int r = r0; r < r1; ++r) out[(size_t)r * n + j] = reduce8(acc.data() + (size_t)(r - r0) * 8);
   }
 }
 
-// ---------------------------------------------------------------- AVX2 + FMA loops
 #ifdef QK_X86
+// ---------------------------------------------------------------- AVX2 + FMA loops (8 lanes)
 
 #define QK_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-QK_AVX2 inline __m256 avx2_scale(const uint8_t* p) {
+QK_AVX2 inline float load_half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _mm256_set1_ps(_cvtsh_ss(h));
+  return _cvtsh_ss(h);
 }
 
-// Decode one block to four 8-weight slices (exactly d * q [+ m] in float32).
+// One block to four 8-weight slices (exactly what decode_portable gives).
 template <Format F>
 QK_AVX2 inline void decode_avx2(const uint8_t* blk, __m256* w) {
-  const __m256 d = avx2_scale(blk);
+  const __m256 d = _mm256_set1_ps(load_half(blk));
   if constexpr (F == Format::Q8_0) {
     for (int s = 0; s < 4; ++s) {
       __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * s));
@@ -158,16 +156,17 @@ QK_AVX2 inline void decode_avx2(const uint8_t* blk, __m256* w) {
     const __m128i low4 = _mm_set1_epi8(0x0f);
     __m128i lo = _mm_and_si128(bytes, low4);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     if constexpr (F == Format::Q4_0) {  // q - 8 in bytes, then signed widening: the same values
       const __m128i eight = _mm_set1_epi8(8);
-      for (int s = 0; s < 4; s += 2) {
-        __m128i centred = _mm_sub_epi8(parts[s], eight);
-        w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(centred)));
-        w[s + 1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(centred, 8))));
-      }
+      lo = _mm_sub_epi8(lo, eight);
+      hi = _mm_sub_epi8(hi, eight);
+    }
+    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    if constexpr (F == Format::Q4_0) {
+      for (int s = 0; s < 4; ++s)
+        w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[s])));
     } else {
-      const __m256 m = avx2_scale(blk + 2);
+      const __m256 m = _mm256_set1_ps(load_half(blk + 2));
       for (int s = 0; s < 4; ++s)
         w[s] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[s]))), m);
     }
@@ -181,80 +180,98 @@ QK_AVX2 inline float avx2_reduce(__m256 v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l
   return _mm_cvtss_f32(u);
 }
 
-// NC weight rows at a time, every row of [r0, r1) against each decoded block.  The columns go
-// in groups of GROUP and k in chunks of K_CHUNK blocks, so that the chunk of x the group reuses
-// stays in L1; each accumulator still takes its blocks in order.
-
-template <Format F, int NC>
-QK_AVX2 void columns_avx2_tile(const float* x, const uint8_t* W, float* out, int k, int n, int r0, int r1,
-                               int j0, int j1, __m256* acc) {
-  static_assert(GROUP % NC == 0);
-  const int nb = k / BLOCK, bb = block_bytes(F), rows = r1 - r0;
-  const size_t row_bytes = (size_t)nb * bb;
-  int g = j0;
-  for (; g + GROUP <= j1; g += GROUP) {
-    for (int i = 0; i < rows * GROUP; ++i) acc[i] = _mm256_setzero_ps();
-    const int chunk = rows <= 2 ? nb : K_CHUNK;  // a row or two of x stays in L1 whole
-    for (int b0 = 0; b0 < nb; b0 += chunk) {
-      const int b1 = b0 + chunk < nb ? b0 + chunk : nb;
-      for (int j = g; j < g + GROUP; j += NC) {
-        __m256* a_j = acc + (j - g);
-        for (int b = b0; b < b1; ++b) {
-          __m256 w[NC][4];
-          for (int c = 0; c < NC; ++c) decode_avx2<F>(W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
-          const float* xb = x + (size_t)b * rows * BLOCK;
-          for (int r = 0; r < rows; ++r, xb += BLOCK) {
-            __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
-            __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
-            for (int c = 0; c < NC; ++c) {
-              __m256 a = a_j[r * GROUP + c];
-              a = _mm256_fmadd_ps(w[c][0], x0, a);
-              a = _mm256_fmadd_ps(w[c][1], x1, a);
-              a = _mm256_fmadd_ps(w[c][2], x2, a);
-              a = _mm256_fmadd_ps(w[c][3], x3, a);
-              a_j[r * GROUP + c] = a;
-            }
-          }
-        }
+// R rows x C columns against a decoded panel wp ([nb][C][32] floats); x rows k floats apart.
+// R rows x C columns against blocks [b0, b1) of a decoded panel wp ([nb][C][32] floats); x rows k
+// floats apart.  The accumulators start at zero (b0 == 0) or from `keep`, and end in `keep` or,
+// after the last block, reduced into out.
+template <int R, int C>
+QK_AVX2 inline void tile_avx2(const float* wp, const float* x, int k, int b0, int b1, float* keep, float* out, int n) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(keep + (r * C + c) * 8);
+  wp += (size_t)b0 * C * BLOCK;
+  for (int b = b0; b < b1; ++b, wp += C * BLOCK) {
+    for (int s = 0; s < 4; ++s) {
+      __m256 w[C];
+      for (int c = 0; c < C; ++c) w[c] = _mm256_loadu_ps(wp + c * BLOCK + 8 * s);
+      for (int r = 0; r < R; ++r) {
+        __m256 xv = _mm256_loadu_ps(x + (size_t)r * k + b * BLOCK + 8 * s);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w[c], xv, acc[r][c]);
       }
     }
-    for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < GROUP; ++c) out[(size_t)(r0 + r) * n + g + c] = avx2_reduce(acc[r * GROUP + c]);
   }
-  if (g < j1) {  // the last columns, one at a time, in the same order
-    if constexpr (NC == 1) {
-      for (int j = g; j < j1; ++j) {
-        for (int r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; ++b) {
-          __m256 w[4];
-          decode_avx2<F>(W + j * row_bytes + (size_t)b * bb, w);
-          const float* xb = x + (size_t)b * rows * BLOCK;
-          for (int r = 0; r < rows; ++r, xb += BLOCK) {
-            __m256 a = acc[r];
-            a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), a);
-            a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a);
-            a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a);
-            a = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a);
-            acc[r] = a;
-          }
-        }
-        for (int r = 0; r < rows; ++r) out[(size_t)(r0 + r) * n + j] = avx2_reduce(acc[r]);
+  if (b1 * BLOCK == k) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) out[(size_t)r * n + c] = avx2_reduce(acc[r][c]);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(keep + (r * C + c) * 8, acc[r][c]);
+  }
+}
+
+// One row: each decoded block meets x straight from registers, with the multiply-adds of the
+// panel path in the same order (the same sums, bit for bit).
+template <Format F, int C>
+QK_AVX2 void row_avx2(const Job& job) {
+  const int nb = job.k / BLOCK, bb = block_bytes(F);
+  const size_t row_bytes = (size_t)nb * bb;
+  int j = job.j0;
+  for (; j + C <= job.j1; j += C) {
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      __m256 w[C][4];
+      for (int c = 0; c < C; ++c) decode_avx2<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
+      for (int s = 0; s < 4; ++s) {
+        __m256 xv = _mm256_loadu_ps(job.x + b * BLOCK + 8 * s);
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(w[c][s], xv, acc[c]);
       }
-    } else {
-      columns_avx2_tile<F, 1>(x, W, out, k, n, r0, r1, g, j1, acc);
+    }
+    for (int c = 0; c < C; ++c) job.out[j + c] = avx2_reduce(acc[c]);
+  }
+  if constexpr (C > 1) {
+    if (j < job.j1) {
+      Job rest = job;
+      rest.j0 = j;
+      row_avx2<F, 1>(rest);
     }
   }
 }
 
-template <Format F>
-QK_AVX2 void columns_avx2(const float* x, const uint8_t* W, float* out, int k, int n, int r0, int r1,
-                          int j0, int j1) {
-  alignas(32) __m256 acc[ROW_CHUNK * GROUP];
-  // Few rows: more weight rows in flight hide the multiply-add latency of each chain.
-  if (r1 - r0 <= 2)
-    columns_avx2_tile<F, 4>(x, W, out, k, n, r0, r1, j0, j1, acc);
-  else
-    columns_avx2_tile<F, 2>(x, W, out, k, n, r0, r1, j0, j1, acc);
+// Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of K_CHUNK
+// blocks so that a chunk of the panel and of R rows of x stay in L1 while the rows go by.
+template <Format F, int C>
+QK_AVX2 void panels_avx2(const Job& job, std::vector<float>& buf) {
+  if (job.m == 1) return row_avx2<F, C>(job);
+  const int nb = job.k / BLOCK, bb = block_bytes(F), k = job.k;
+  const size_t row_bytes = (size_t)nb * bb;
+  buf.resize((size_t)k * C + (size_t)job.m * C * 8);
+  float* wp = buf.data();
+  float* keep = wp + (size_t)k * C;
+  int j = job.j0;
+  for (; j + C <= job.j1; j += C) {
+    for (int b = 0; b < nb; ++b)
+      for (int c = 0; c < C; ++c) {
+        __m256 w[4];
+        decode_avx2<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w);
+        for (int s = 0; s < 4; ++s) _mm256_storeu_ps(wp + (b * C + c) * BLOCK + 8 * s, w[s]);
+      }
+    for (int b0 = 0; b0 < nb; b0 += K_CHUNK) {
+      const int b1 = std::min(nb, b0 + K_CHUNK);
+      int r = 0;
+      for (; r + 4 <= job.m; r += 4)
+        tile_avx2<4, C>(wp, job.x + (size_t)r * k, k, b0, b1, keep + (size_t)r * C * 8, job.out + (size_t)r * job.n + j, job.n);
+      for (; r < job.m; ++r)
+        tile_avx2<1, C>(wp, job.x + (size_t)r * k, k, b0, b1, keep + (size_t)r * C * 8, job.out + (size_t)r * job.n + j, job.n);
+    }
+  }
+  if constexpr (C > 1) {
+    if (j < job.j1) {
+      Job rest = job;
+      rest.j0 = j;
+      panels_avx2<F, 1>(rest, buf);
+    }
+  }
 }
 
 inline bool cpu_has_avx2() {
@@ -262,25 +279,196 @@ inline bool cpu_has_avx2() {
                           __builtin_cpu_supports("f16c");
   return has;
 }
-#endif  // QK_X86
 
-inline bool& portable_forced() {
-  static bool forced = false;
-  return forced;
-}
+// ---------------------------------------------------------------- AVX-512 loops (16 lanes)
 
-inline void columns(Format f, const float* x, const uint8_t* W, float* out, int k, int n, int r0, int r1,
-                    int j0, int j1) {
-#ifdef QK_X86
-  if (cpu_has_avx2() && !portable_forced()) {
-    switch (f) {
-      case Format::Q8_0: return columns_avx2<Format::Q8_0>(x, W, out, k, n, r0, r1, j0, j1);
-      case Format::Q4_0: return columns_avx2<Format::Q4_0>(x, W, out, k, n, r0, r1, j0, j1);
-      case Format::Q4_1: return columns_avx2<Format::Q4_1>(x, W, out, k, n, r0, r1, j0, j1);
+#define QK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+template <Format F>
+QK_AVX512 inline void decode_avx512(const uint8_t* blk, __m512* w) {
+  const __m512 d = _mm512_set1_ps(load_half(blk));
+  if constexpr (F == Format::Q8_0) {
+    for (int s = 0; s < 2; ++s) {
+      __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * s));
+      w[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+    }
+  } else {
+    const uint8_t* qs = blk + (F == Format::Q4_1 ? 4 : 2);
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m128i parts[2] = {_mm_and_si128(bytes, low4), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4)};
+    if constexpr (F == Format::Q4_0) {
+      const __m128i eight = _mm_set1_epi8(8);
+      for (int s = 0; s < 2; ++s)
+        w[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_sub_epi8(parts[s], eight))));
+    } else {
+      const __m512 m = _mm512_set1_ps(load_half(blk + 2));
+      for (int s = 0; s < 2; ++s)
+        w[s] = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[s]))), m);
     }
   }
+}
+
+QK_AVX512 inline float avx512_reduce(__m512 v) {  // the two halves added, then avx2_reduce's tree
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  __m128 u = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+  return _mm_cvtss_f32(u);
+}
+
+// R rows x C columns against blocks [b0, b1) of a decoded panel wp ([nb][C][32] floats); x rows k
+// floats apart.  The accumulators start at zero (b0 == 0) or from `keep`, and end in `keep` or,
+// after the last block, reduced into out.
+template <int R, int C>
+QK_AVX512 inline void tile_avx512(const float* wp, const float* x, int k, int b0, int b1, float* keep, float* out, int n) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(keep + (r * C + c) * 16);
+  wp += (size_t)b0 * C * BLOCK;
+  for (int b = b0; b < b1; ++b, wp += C * BLOCK) {
+    for (int s = 0; s < 2; ++s) {
+      __m512 w[C];
+      for (int c = 0; c < C; ++c) w[c] = _mm512_loadu_ps(wp + c * BLOCK + 16 * s);
+      for (int r = 0; r < R; ++r) {
+        __m512 xv = _mm512_loadu_ps(x + (size_t)r * k + b * BLOCK + 16 * s);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[c], xv, acc[r][c]);
+      }
+    }
+  }
+  if (b1 * BLOCK == k) {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) out[(size_t)r * n + c] = avx512_reduce(acc[r][c]);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(keep + (r * C + c) * 16, acc[r][c]);
+  }
+}
+
+// One row: each decoded block meets x straight from registers, with the multiply-adds of the
+// panel path in the same order (the same sums, bit for bit).
+template <Format F, int C>
+QK_AVX512 void row_avx512(const Job& job) {
+  const int nb = job.k / BLOCK, bb = block_bytes(F);
+  const size_t row_bytes = (size_t)nb * bb;
+  int j = job.j0;
+  for (; j + C <= job.j1; j += C) {
+    __m512 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      __m512 w[C][2];
+      for (int c = 0; c < C; ++c) decode_avx512<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
+      for (int s = 0; s < 2; ++s) {
+        __m512 xv = _mm512_loadu_ps(job.x + b * BLOCK + 16 * s);
+        for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w[c][s], xv, acc[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) job.out[j + c] = avx512_reduce(acc[c]);
+  }
+  if constexpr (C > 1) {
+    if (j < job.j1) {
+      Job rest = job;
+      rest.j0 = j;
+      row_avx512<F, 1>(rest);
+    }
+  }
+}
+
+// Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of K_CHUNK
+// blocks so that a chunk of the panel and of R rows of x stay in L1 while the rows go by.
+template <Format F, int C>
+QK_AVX512 void panels_avx512(const Job& job, std::vector<float>& buf) {
+  if (job.m == 1) return row_avx512<F, C>(job);
+  const int nb = job.k / BLOCK, bb = block_bytes(F), k = job.k;
+  const size_t row_bytes = (size_t)nb * bb;
+  buf.resize((size_t)k * C + (size_t)job.m * C * 16);
+  float* wp = buf.data();
+  float* keep = wp + (size_t)k * C;
+  int j = job.j0;
+  for (; j + C <= job.j1; j += C) {
+    for (int b = 0; b < nb; ++b)
+      for (int c = 0; c < C; ++c) {
+        __m512 w[2];
+        decode_avx512<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w);
+        for (int s = 0; s < 2; ++s) _mm512_storeu_ps(wp + (b * C + c) * BLOCK + 16 * s, w[s]);
+      }
+    for (int b0 = 0; b0 < nb; b0 += K_CHUNK) {
+      const int b1 = std::min(nb, b0 + K_CHUNK);
+      int r = 0;
+      for (; r + 4 <= job.m; r += 4)
+        tile_avx512<4, C>(wp, job.x + (size_t)r * k, k, b0, b1, keep + (size_t)r * C * 16, job.out + (size_t)r * job.n + j, job.n);
+      for (; r < job.m; ++r)
+        tile_avx512<1, C>(wp, job.x + (size_t)r * k, k, b0, b1, keep + (size_t)r * C * 16, job.out + (size_t)r * job.n + j, job.n);
+    }
+  }
+  if constexpr (C > 1) {
+    if (j < job.j1) {
+      Job rest = job;
+      rest.j0 = j;
+      panels_avx512<F, 1>(rest, buf);
+    }
+  }
+}
+
+inline bool cpu_has_avx512() {
+  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+#endif  // QK_X86
+
+// ---------------------------------------------------------------- choice of loops
+
+enum class Isa { Portable = 0, Avx2 = 1, Avx512 = 2 };
+
+inline Isa best_isa() {
+#ifdef QK_X86
+  if (cpu_has_avx512()) return Isa::Avx512;
+  if (cpu_has_avx2()) return Isa::Avx2;
 #endif
-  columns_portable(f, x, W, out, k, n, r0, r1, j0, j1);
+  return Isa::Portable;
+}
+
+// The loops in use: the best the CPU has, unless lowered (the tests hold every set to the same
+// properties).  Set once before use; a change between calls changes the order of the sums.
+inline Isa& isa() {
+  static Isa chosen = best_isa();
+  return chosen;
+}
+
+inline const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+// One thread's share, rows in chunks of ROW_CHUNK so a chunk of x stays in the L2 cache.
+inline void columns(const Job& job, std::vector<float>& buf) {
+  for (int r0 = 0; r0 < job.m; r0 += ROW_CHUNK) {
+    Job part = job;
+    part.x = job.x + (size_t)r0 * job.k;
+    part.out = job.out + (size_t)r0 * job.n;
+    part.m = std::min(ROW_CHUNK, job.m - r0);
+#ifdef QK_X86
+    if (isa() == Isa::Avx512) {
+      switch (job.f) {
+        case Format::Q8_0: panels_avx512<Format::Q8_0, 4>(part, buf); continue;
+        case Format::Q4_0: panels_avx512<Format::Q4_0, 4>(part, buf); continue;
+        case Format::Q4_1: panels_avx512<Format::Q4_1, 4>(part, buf); continue;
+      }
+    }
+    if (isa() == Isa::Avx2) {
+      switch (job.f) {
+        case Format::Q8_0: panels_avx2<Format::Q8_0, 2>(part, buf); continue;
+        case Format::Q4_0: panels_avx2<Format::Q4_0, 2>(part, buf); continue;
+        case Format::Q4_1: panels_avx2<Format::Q4_1, 2>(part, buf); continue;
+      }
+    }
+#endif
+    columns_portable(part);
+  }
 }
 
 }  // namespace qk

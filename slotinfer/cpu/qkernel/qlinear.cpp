@@ -1,10 +1,15 @@
-// An MLX primitive for x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1), CPU only,
-// and its Python binding.  The loops are in qkernels.h.
-#include <omp.h>
+// An MLX primitive for x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1), CPU only, its
+// thread pool, and the Python binding.  The loops are in qkernels.h.
+#include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nanobind/nanobind.h>
@@ -16,13 +21,92 @@
 #include "mlx/primitives.h"
 #include "qkernels.h"
 
+#ifndef QK_MLX_VERSION
+#define QK_MLX_VERSION "unknown"
+#endif
+
 namespace mx = mlx::core;
 namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace {
 
-int g_threads = 0;  // 0: OpenMP's default
+inline void cpu_relax() {
+#ifdef QK_X86
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Waits for `cell` to differ from `old`: a short spin (spin_us microseconds; the next product of a
+// decode step usually comes within it), then asleep in the kernel (futex), never spinning on.
+template <class T>
+T await_change(std::atomic<T>& cell, T old, int spin_us) {
+  T now;
+  auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  for (int i = 0; (now = cell.load(std::memory_order_acquire)) == old; ++i) {
+    if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) {
+      cell.wait(old, std::memory_order_acquire);
+    } else {
+      cpu_relax();
+    }
+  }
+  return now;
+}
+
+// Worker threads for one product at a time.  The caller computes share 0 itself; a second caller
+// while a product runs (another MLX stream) computes its shares alone, which gives the same
+// results since a share's sums do not depend on the split.
+class Pool {
+ public:
+  int spin_us = 20;
+
+  void run(int n, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+    if (n <= 1 || !lock.owns_lock()) {
+      for (int t = 0; t < n; ++t) fn(t);
+      return;
+    }
+    while ((int)workers_ < n - 1) {
+      // the epoch it starts from is the current one: a thread that starts late still runs this product
+      std::thread(&Pool::work, this, (int)workers_ + 1, epoch_.load(std::memory_order_relaxed)).detach();
+      ++workers_;
+    }
+    fn_ = &fn;
+    n_ = n;
+    pending_.store((int)workers_, std::memory_order_relaxed);
+    epoch_.fetch_add(1, std::memory_order_release);
+    epoch_.notify_all();
+    fn(0);
+    int left;
+    while ((left = pending_.load(std::memory_order_acquire)) != 0) await_change(pending_, left, spin_us);
+  }
+
+ private:
+  void work(int index, uint32_t seen) {
+    for (;;) {
+      seen = await_change(epoch_, seen, spin_us);
+      if (index < n_) (*fn_)(index);
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
+    }
+  }
+
+  std::mutex busy_;
+  unsigned workers_ = 0;
+  std::atomic<uint32_t> epoch_{0};
+  std::atomic<int> pending_{0};
+  const std::function<void(int)>* fn_ = nullptr;
+  int n_ = 0;
+};
+
+// Never destroyed (its threads are detached and may be asleep at exit); a forked child, which has
+// none of the parent's threads, starts a new one.
+Pool* g_pool = new Pool();
+int g_threads = 1;
+
+void after_fork_child() { g_pool = new Pool(); }
+const int g_atfork = pthread_atfork(nullptr, nullptr, after_fork_child);
 
 qk::Format parse_format(const std::string& name) {
   if (name == "q8_0") return qk::Format::Q8_0;
@@ -31,22 +115,19 @@ qk::Format parse_format(const std::string& name) {
   throw std::invalid_argument("format must be q8_0, q4_0 or q4_1, got " + name);
 }
 
-// Split the columns over the threads in whole groups of 8 (a thread never splits a sum).
+// The columns go to the threads in whole groups of 8 (a thread never splits a sum).
 void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int k, int n) {
-  int threads = g_threads > 0 ? g_threads : omp_get_max_threads();
   int groups = (n + qk::GROUP - 1) / qk::GROUP;
-  threads = std::max(1, std::min(threads, groups));
-  std::vector<float> xp((size_t)m * k);
-  for (int r0 = 0; r0 < m; r0 += qk::ROW_CHUNK)
-    qk::pack_rows(x, k, r0, std::min(m, r0 + qk::ROW_CHUNK), xp.data() + (size_t)r0 * k);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    int t = omp_get_thread_num(), T = omp_get_num_threads();
-    int j0 = std::min(n, (int)((long)groups * t / T) * qk::GROUP);
-    int j1 = std::min(n, (int)((long)groups * (t + 1) / T) * qk::GROUP);
-    for (int r0 = 0; r0 < m && j0 < j1; r0 += qk::ROW_CHUNK)
-      qk::columns(f, xp.data() + (size_t)r0 * k, W, out, k, n, r0, std::min(m, r0 + qk::ROW_CHUNK), j0, j1);
-  }
+  int threads = std::max(1, std::min(g_threads, groups));
+  // below ~64k multiply-adds a thread's wake-up costs more than its share saves
+  if ((long)m * n * k < 65536L * threads) threads = 1;
+  std::function<void(int)> share = [&](int t) {
+    thread_local std::vector<float> buf;
+    int j0 = std::min(n, (int)((long)groups * t / threads) * qk::GROUP);
+    int j1 = std::min(n, (int)((long)groups * (t + 1) / threads) * qk::GROUP);
+    if (j0 < j1) qk::columns(qk::Job{f, x, W, out, m, k, n, j0, j1}, buf);
+  };
+  g_pool->run(threads, share);
 }
 
 class QuantizedLinear : public mx::Primitive {
@@ -73,6 +154,12 @@ class QuantizedLinear : public mx::Primitive {
     throw std::runtime_error("QuantizedLinear has no GPU kernel: use mx.quantized_matmul there");
   }
 
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
   const char* name() const override { return "QuantizedLinear"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -88,6 +175,7 @@ mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& for
   qk::Format f = parse_format(format);
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
   if (w.dtype() != mx::uint8 || w.ndim() != 2) throw std::invalid_argument("w must be a 2-D uint8 array of blocks");
+  if (x.ndim() < 1) throw std::invalid_argument("x must have at least one axis");
   int k = x.shape(-1);
   int bb = qk::block_bytes(f);
   if (k % qk::BLOCK != 0 || w.shape(1) != (k / qk::BLOCK) * bb)
@@ -103,17 +191,26 @@ mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& for
 }  // namespace
 
 NB_MODULE(_qkernel, m) {
-  m.doc() = "slotinfer's quantized linear layer on CPU (prototype)";
+  m.doc() = "slotinfer's quantized linear layer on CPU (GGUF Q8_0 / Q4_0 / Q4_1 blocks)";
   m.def("qlinear", &qlinear, "x"_a, "w"_a, "format"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequant(w).T for w [n, k/32 blocks] in GGUF blocks (q8_0, q4_0, q4_1); float32 out");
+  m.attr("mlx_version") = QK_MLX_VERSION;  // the mlx whose headers and library it was built against
   m.def("block_bytes", [](const std::string& f) { return qk::block_bytes(parse_format(f)); });
-  m.def("set_threads", [](int t) { g_threads = t; }, "threads"_a);
-  m.def("threads", []() { return g_threads > 0 ? g_threads : omp_get_max_threads(); });
-  m.def("set_portable", [](bool p) { qk::portable_forced() = p; }, "portable"_a);
-  m.def("kernels", []() {
-#ifdef QK_X86
-    if (qk::cpu_has_avx2() && !qk::portable_forced()) return std::string("avx2");
-#endif
-    return std::string("portable");
-  });
+  m.def("set_threads", [](int t) { g_threads = std::max(1, t); }, "threads"_a);
+  m.def("threads", []() { return g_threads; });
+  m.def("set_spin_us", [](int us) { g_pool->spin_us = std::max(0, us); }, "microseconds"_a);
+  m.def("kernels", []() { return std::string(qk::isa_name(qk::isa())); }, "the loops in use");
+  m.def("best_kernels", []() { return std::string(qk::isa_name(qk::best_isa())); }, "the best loops this CPU runs");
+  m.def(
+      "set_kernels",
+      [](const std::string& name) {
+        for (qk::Isa i : {qk::Isa::Portable, qk::Isa::Avx2, qk::Isa::Avx512})
+          if (name == qk::isa_name(i)) {
+            if ((int)i > (int)qk::best_isa()) throw std::invalid_argument("this CPU cannot run " + name);
+            qk::isa() = i;
+            return;
+          }
+        throw std::invalid_argument("kernels must be portable, avx2 or avx512, got " + name);
+      },
+      "name"_a, "use these loops (portable, avx2, avx512; up to what the CPU runs): for tests");
 }

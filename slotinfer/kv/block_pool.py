@@ -1,0 +1,245 @@
+"""The block pool: K/V memory in fixed-size blocks, handed to slots through per-slot block tables.
+
+Host-side bookkeeping only (numpy and dicts; the K/V arrays themselves are per layer
+``[num_blocks, kv_heads, block_size, head_dim]``, addressed by the ids kept here).
+
+- Two ids are reserved.  ``ZERO`` is never written: it pads block tables, so a read past a
+  row's blocks meets finite values under a zero weight.  ``TRASH`` takes the writes of
+  padding tokens and idle rows, which can be NaN (a fully masked row of a sliding-window
+  layer), and no table ever names it.
+- Every other block is free (reference count 0, in the free queue) or held by the tables
+  that name it, one reference per table entry: a block shared by two slots' prefixes has
+  count 2.  The free queue is an ``OrderedDict``, O(1) at both ends and by key: allocation
+  takes from its front; a released block without a hash goes to the front (nothing to keep),
+  one with a hash to the back (a cached prefix, kept as long as nothing needs its memory).
+  A table releases its last block first, so a prefix's tail is evicted before its head.
+- A full block can be registered under the chained hash of its prefix
+  (:func:`~slotinfer.kv.prefix_cache.chain_hash`, the prefix cache's key); :meth:`lookup`
+  finds the longest registered chain that starts a prompt, each block checked against its own
+  tokens, parent and salt, so a hash collision never serves another prompt's K/V.  A registered
+  block that is allocated again loses its hash.
+
+    >>> pool = BlockPool(num_blocks=10, block_size=4, slots=2, max_blocks=4)
+    >>> pool.grow(0, 6)                     # slot 0 holds 6 tokens: 2 blocks
+    [2, 3]
+    >>> pool.tables[0].tolist(), pool.num_free
+    ([2, 3, 0, 0], 6)
+    >>> pool.release_slot(0); pool.num_free
+    8
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import InvalidRequestError, OutOfMemoryError
+from .prefix_cache import chain_hash
+
+ZERO, TRASH = 0, 1  # reserved ids: the table padding (never written) and the sink of padding writes
+RESERVED = 2
+# Tokens of one block of the engine's pool, and of the reference's (Model.generate): decode reads
+# blocks through paged_attend, which sums P.V block by block, so both must cut at the same place.
+# 128: the smallest size whose paged decode attention holds today's speed (docs/benchmarks.md).
+KV_BLOCK_SIZE = 128
+
+
+def block_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype, block_size: int) -> int:
+    """Bytes one block holds: K and V of ``block_size`` tokens in every layer."""
+    return 2 * num_layers * kv_heads * block_size * head_dim * dtype.size
+
+
+def blocks_for_budget(kv_cache_bytes: int, *, num_layers: int, kv_heads: int, head_dim: int, dtype,
+                      block_size: int) -> int:
+    """How many blocks (the two reserved ones included) ``kv_cache_bytes`` holds for this shape.
+
+    A budget that holds no block beyond the reserved two is refused: nothing could be cached.
+    """
+    each = block_bytes(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                       block_size=block_size)
+    n = int(kv_cache_bytes) // each
+    if n <= RESERVED:
+        raise InvalidRequestError(
+            f"kv_cache_bytes={int(kv_cache_bytes)} holds {n} blocks of {block_size} tokens ({each} bytes each); "
+            f"at least {RESERVED + 1} are needed ({RESERVED} are reserved): raise kv_cache_bytes to "
+            f"{(RESERVED + 1) * each} or more")
+    return n
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` tokens, and a block table for each of ``slots`` slots.
+
+    ``tables[slot, :held[slot]]`` are the blocks of a slot's tokens, in order; the rest of the
+    row is ``ZERO``.  A slot of ``n`` tokens holds exactly ``ceil(n / block_size)`` blocks.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, slots: int, max_blocks: int):
+        if num_blocks <= RESERVED:
+            raise InvalidRequestError(f"a block pool needs more than {RESERVED} blocks ({RESERVED} are reserved), "
+                                      f"got num_blocks={num_blocks}")
+        if block_size < 1 or slots < 1 or max_blocks < 1:
+            raise InvalidRequestError(f"block_size, slots and max_blocks must be positive, got {block_size}, "
+                                      f"{slots}, {max_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref = np.zeros(num_blocks, dtype=np.int32)
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(RESERVED, num_blocks))
+        self.tables = np.full((slots, max_blocks), ZERO, dtype=np.int32)
+        self.held = np.zeros(slots, dtype=np.int32)
+        self.by_hash: dict[int, int] = {}  # chain hash -> block id
+        self.meta: dict[int, tuple] = {}  # block id -> (hash, parent hash, tokens, salt) of a registered block
+        self.counters = dict(allocated=0, evicted=0, registered=0, queries=0, hit_blocks=0)
+
+    # -- the free queue ------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (registered but unreferenced ones included)."""
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks held by some table."""
+        return self.num_blocks - RESERVED - len(self.free)
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether :meth:`allocate` of ``n`` blocks succeeds now."""
+        return 0 <= n <= len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the front of the free queue, each with one reference.
+
+        Raises :class:`~slotinfer.errors.OutOfMemoryError` when fewer are free (ask
+        :meth:`can_allocate` first); nothing is taken then.
+        """
+        if not self.can_allocate(n):
+            raise OutOfMemoryError(f"{n} K/V blocks asked for and {len(self.free)} are free: "
+                                   f"check can_allocate before allocating, or free a slot")
+        out = [self.free.popitem(last=False)[0] for _ in range(n)]
+        for b in out:
+            if b in self.meta:  # a cached block reused for other tokens: its hash no longer names it
+                del self.by_hash[self.meta.pop(b)[0]]
+                self.counters["evicted"] += 1
+        self.ref[out] = 1
+        self.counters["allocated"] += n
+        return out
+
+    def _acquire(self, blocks):
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+
+    def _release(self, blocks):
+        """One reference less on each of ``blocks``, last first; at 0 a block is free again."""
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None  # registered: the back, kept while memory allows
+                if b not in self.meta:
+                    self.free.move_to_end(b, last=False)  # nothing worth keeping: reused first
+
+    # -- per-slot block tables -----------------------------------------------------------------
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold ``tokens`` tokens."""
+        return -(-tokens // self.block_size)
+
+    def needed(self, slot: int, tokens: int) -> int:
+        """New blocks ``slot`` needs to hold ``tokens`` tokens (0 when it holds them already)."""
+        return max(0, self.blocks_for(tokens) - int(self.held[slot]))
+
+    def can_grow(self, slot: int, tokens: int) -> bool:
+        return self.blocks_for(tokens) <= self.tables.shape[1] and self.can_allocate(self.needed(slot, tokens))
+
+    def grow(self, slot: int, tokens: int) -> list[int]:
+        """Make ``slot``'s table hold ``tokens`` tokens; returns the blocks added (none until a
+        block boundary is crossed).  Raises, changing nothing, when the table's width or the free
+        blocks do not allow it (ask :meth:`can_grow` first)."""
+        have, want = int(self.held[slot]), self.blocks_for(tokens)
+        if want > self.tables.shape[1]:
+            raise InvalidRequestError(f"{tokens} tokens need {want} blocks of {self.block_size} and a slot's "
+                                      f"table holds {self.tables.shape[1]}: lower the length or raise max_blocks")
+        if want <= have:
+            return []
+        new = self.allocate(want - have)
+        self.tables[slot, have:want] = new
+        self.held[slot] = want
+        return new
+
+    def share(self, slot: int, blocks) -> None:
+        """Start the empty ``slot``'s table with ``blocks`` (a cached prefix from :meth:`lookup`),
+        each one reference more."""
+        if self.held[slot]:
+            raise InvalidRequestError(f"slot {slot} already holds {self.held[slot]} blocks: share a prefix "
+                                      f"into an empty slot only")
+        blocks = list(blocks)
+        if len(blocks) > self.tables.shape[1] or any(b < RESERVED or b >= self.num_blocks for b in blocks):
+            raise InvalidRequestError(f"cannot share blocks {blocks}: ids must lie in [{RESERVED}, "
+                                      f"{self.num_blocks}) and fit a table of {self.tables.shape[1]}")
+        self._acquire(blocks)
+        self.tables[slot, : len(blocks)] = blocks
+        self.held[slot] = len(blocks)
+
+    def release_slot(self, slot: int) -> None:
+        """``slot`` gives back every block it holds (its last first) and is empty again."""
+        n = int(self.held[slot])
+        self._release(self.tables[slot, :n].tolist())
+        self.tables[slot] = ZERO
+        self.held[slot] = 0
+
+    def locate(self, slots, positions):
+        """Where tokens are written: ``(blocks, offsets)`` for ``slots`` [n] and ``positions``
+        [n] or [n, L] (numpy).  A negative position (a padding token, an idle row) goes to TRASH;
+        a position past the blocks a slot holds raises, as it would write memory nobody owns."""
+        slots, positions = np.asarray(slots), np.asarray(positions)
+        rows = slots if positions.ndim == 1 else slots[:, None]
+        pad = positions < 0
+        col = np.where(pad, 0, positions) // self.block_size
+        if np.any(~pad & (col >= self.held[rows])):
+            raise InvalidRequestError("a write past the blocks a slot holds: grow the slot first")
+        blocks = np.where(pad, TRASH, self.tables[rows, np.minimum(col, self.tables.shape[1] - 1)])
+        return blocks.astype(np.int32), np.where(pad, 0, positions % self.block_size).astype(np.int32)
+
+    # -- cached prefixes -------------------------------------------------------------------------
+
+    def register(self, block: int, parent: int | None, tokens, salt: str | None = None) -> int:
+        """Register the full ``block`` (held by some table) as holding ``tokens`` after the block
+        keyed ``parent``; returns its key, the ``parent`` of the next block.  A block already
+        registered under another key keeps that one."""
+        tokens = tuple(tokens)
+        if len(tokens) != self.block_size or self.ref[block] < 1:
+            raise InvalidRequestError(f"block {block}: only a held, full block of {self.block_size} tokens can be "
+                                      f"registered (got {len(tokens)} tokens, {self.ref[block]} references)")
+        key = chain_hash(parent, tokens, salt)
+        if block in self.meta:
+            return self.meta[block][0]
+        old = self.by_hash.get(key)
+        if old is not None:  # the same prefix computed twice, or a collision: the newer block takes the key
+            del self.meta[old]
+        self.by_hash[key] = block
+        self.meta[block] = (key, parent, tokens, salt)
+        self.counters["registered"] += 1
+        return key
+
+    def lookup(self, tokens, salt: str | None = None, limit: int | None = None) -> list[int]:
+        """The registered blocks that start ``tokens`` (at most ``limit`` tokens of them), first to
+        last; each checked against its own tokens, parent and salt.  Takes no reference:
+        :meth:`share` them into a slot (before any allocation, which may evict them)."""
+        bs, limit = self.block_size, len(tokens) if limit is None else min(limit, len(tokens))
+        found, parent = [], None
+        for start in range(0, limit - bs + 1, bs):
+            block_tokens = tuple(tokens[start:start + bs])
+            key = chain_hash(parent, block_tokens, salt)
+            b = self.by_hash.get(key)
+            if b is None or self.meta[b][1:] != (parent, block_tokens, salt):
+                break
+            found.append(b)
+            parent = key
+        self.counters["queries"] += 1
+        self.counters["hit_blocks"] += len(found)
+        return found
+
+    def stats(self) -> dict:
+        return {**self.counters, "blocks": self.num_blocks - RESERVED, "used": self.num_used, "free": self.num_free,
+                "cached": len(self.meta), "block_size": self.block_size}
