@@ -25,9 +25,8 @@ import statistics
 import threading
 import time
 
+import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
-
-import slotinfer
 from slotinfer import default_model
 
 WORDS = ("good bad food day nice movie slow quick bright dark river stone cloud paper music light green "
