@@ -252,18 +252,16 @@ class _Classifier:
 
     def _continuations(self, kept, lens: np.ndarray, multi: list[int]):
         """[B, labels] sums of log p(t_j | prompt, t_<j) over j >= 1 (zero for one-token labels), in
-        parts of at most ``budget`` label tokens: (prompt, label) pairs are cut in slices, each one
+        parts of at most ``budget`` padded label tokens: (prompt, label) pairs, longest continuation
+        first, are cut in slices as prompts are cut in batches (so a slice pads little), each one
         forward and its share of the sums."""
         labels, net = self.labels, self.net
         B, Lp = len(lens), kept[0][0].shape[2]
         nl = len(labels.ids)
-        R = len(multi) * B
         bidx_all = np.tile(np.arange(B), len(multi))  # pair r continues prompt bidx[r]
         lab_all = np.repeat(np.array(multi), B)  # ... with label lab[r]
-        M1 = labels.longest - 1
-        step = max(1, self.budget // M1)
-        for s in range(0, R, step):
-            bidx, lab = bidx_all[s:s + step], lab_all[s:s + step]
+        for part in plan_batches([len(labels.ids[k]) - 1 for k in lab_all], self.budget):
+            bidx, lab = bidx_all[part], lab_all[part]
             n = len(bidx)
             own = np.arange(Lp)[None] + self.P
             own = np.where(np.arange(Lp)[None] < lens[bidx][:, None], own, FAR)  # hide the prompt's padding
