@@ -1,9 +1,10 @@
 """A greedy stream's inter-token gaps while a large classification runs beside it.
 
-Three runs in one process, on SmolLM2-135M-Instruct (or ``--model``), each a ``--tokens``-token
-greedy stream through an :class:`~slotinfer.Inferencer`:
+Runs in one process, on SmolLM2-135M-Instruct (or ``--model``), each but ``classify`` a
+``--tokens``-token greedy stream through an :class:`~slotinfer.Inferencer`:
 
 * ``alone``: the stream only;
+* ``classify`` (not in the default ``--runs``): ``model.classify`` alone, no stream, for its own throughput;
 * ``thread``: ``model.classify`` of ``--inputs`` sentences against ``--labels`` labels on a thread
   of its own, with an MLX stream of its own, started with the stream (how /v1/classify ran
   before: an executor thread beside the engine's worker);
@@ -58,7 +59,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=150)
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--runs", default="alone,thread,worker",
-                    help="which runs, comma-separated (a tree without Inferencer.submit_classify: alone,thread)")
+                    help="which runs, comma-separated, of alone, classify, thread, worker "
+                         "(a tree without Inferencer.submit_classify: alone,classify,thread)")
     args = ap.parse_args(argv)
     model = slotinfer.load(args.model or default_model.path())
     rng = random.Random(0)
@@ -84,6 +86,11 @@ def main(argv=None):
                 mx.synchronize(s)
             took["s"] = time.perf_counter() - t0
 
+        if "classify" in runs:
+            t0 = time.perf_counter()
+            model.classify(inputs, **kw)
+            rows.append(("classify", None, None, time.perf_counter() - t0))
+
         if "thread" in runs:
             t = threading.Thread(target=beside)
             t.start()
@@ -99,8 +106,9 @@ def main(argv=None):
             rows.append(("worker", total, gaps, took["w"] - t0))
     print(f"{'run':8} {'stream s':>9} {'max gap s':>10} {'median gap s':>13} {'classify s':>11}")
     for name, total, gaps, cls in rows:
-        print(f"{name:8} {total:9.1f} {max(gaps):10.2f} {statistics.median(gaps):13.3f} "
-              f"{'-' if cls is None else f'{cls:.1f}':>11}")
+        stream_cols = (f"{'-':>9} {'-':>10} {'-':>13}" if total is None else
+                       f"{total:9.1f} {max(gaps):10.2f} {statistics.median(gaps):13.3f}")
+        print(f"{name:8} {stream_cols} {'-' if cls is None else f'{cls:.1f}':>11}")
 
 
 if __name__ == "__main__":
