@@ -5,7 +5,9 @@
     ...     print(h.result().text)
 
 A background thread owns the slot table and runs the engine loop; producers on any
-thread (or an asyncio loop) submit requests and get :class:`Handle` objects back.
+thread (or an asyncio loop) submit requests and get :class:`Handle` objects back.  The same
+thread runs classifications (:meth:`Inferencer.submit_classify`), one unit of work after each
+engine step.
 Worker threads outlive their Inferencer and serve the next one (see :class:`_Workers`).
 
 The Inferencer only hands work between threads: a request waits for its slot in the
