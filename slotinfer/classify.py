@@ -79,7 +79,7 @@ from .errors import InvalidRequestError, PromptTooLongError
 from .sampling import SamplingParams, sample
 from .types import ClassifyResult
 
-__all__ = ["classify", "default_token_budget", "encode_labels", "LabelSet"]
+__all__ = ["classify", "ClassifyJob", "default_token_budget", "encode_labels", "LabelSet"]
 
 # Padded tokens per forward.  On CPU, bigger batches are no faster (docs/classify.md: budgets
 # 256, 512 and 1024 within 3%) and hold more memory; a GPU wants many more rows to fill it.
@@ -192,8 +192,9 @@ def _row(values, dtype=mx.float32):
 
 class _Classifier:
     def __init__(self, model, *, labels: LabelSet | None, return_logits: bool, params: SamplingParams,
-                 base_seed: int, prefix_ids: list[int], share: bool):
+                 budget: int, base_seed: int, prefix_ids: list[int], share: bool):
         self.model, self.net = model, model.net
+        self.budget = budget  # label tokens per continuation forward, as prompt tokens per batch
         self.layers = model.config.num_layers
         self.labels = labels
         self.return_logits = return_logits
@@ -212,8 +213,10 @@ class _Classifier:
             self.first_col = mx.array([col[t[0]] for t in labels.ids])
             self.first_ids = mx.array(self.first)
 
-    # one batch -> lazy outputs
-    def run(self, rows: list[list[int]], indices: list[int]) -> dict:
+    # one batch -> its units of work, then its lazy outputs
+    def units(self, rows: list[list[int]], indices: list[int]):
+        """Yield the lazy arrays of each unit of this batch's work, in order (the prompts' forward,
+        then its label continuations ``budget`` tokens at a time); return the batch's lazy outputs."""
         B = len(rows)
         lens = np.array([len(r) for r in rows])
         multi = self.labels.multi if self.labels is not None else []
@@ -237,7 +240,10 @@ class _Classifier:
             z0 = self.net.head_rows(last, self.first_ids).astype(mx.float32)  # [B, distinct first tokens]
         seq = z0[:, self.first_col]  # [B, labels]: log p(t_0) up to the shared normalizer
         if multi:
-            seq = seq + self._continuations(ctx.kept, lens, multi)
+            yield [seq, *(a for kv in ctx.kept for a in kv)]
+            for part in self._continuations(ctx.kept, lens, multi):
+                seq = seq + part  # a (row, label) gets its sum from one part, zeros from the others
+                yield [seq]
         scores = seq - mx.logsumexp(seq, axis=-1, keepdims=True)
         choice = self._choose(scores, seeds)
         out["scores"] = scores
@@ -245,37 +251,43 @@ class _Classifier:
         return out
 
     def _continuations(self, kept, lens: np.ndarray, multi: list[int]):
-        """[B, labels] sums of log p(t_j | prompt, t_<j) over j >= 1 (zero for one-token labels)."""
+        """[B, labels] sums of log p(t_j | prompt, t_<j) over j >= 1 (zero for one-token labels), in
+        parts of at most ``budget`` padded label tokens: (prompt, label) pairs, longest continuation
+        first, are cut in slices as prompts are cut in batches (so a slice pads little), each one
+        forward and its share of the sums."""
         labels, net = self.labels, self.net
         B, Lp = len(lens), kept[0][0].shape[2]
         nl = len(labels.ids)
-        M1 = labels.longest - 1
-        R = len(multi) * B
-        bidx = np.tile(np.arange(B), len(multi))  # row r continues prompt bidx[r]
-        lab = np.repeat(np.array(multi), B)  # ... with label lab[r]
-        own = np.arange(Lp)[None] + self.P
-        own = np.where(np.arange(Lp)[None] < lens[bidx][:, None], own, FAR)  # hide the prompt's padding
-        past_pos = own if not self.P else np.concatenate([np.broadcast_to(np.arange(self.P), (R, self.P)), own], 1)
-        past = ([self.prefix.segment()] if self.prefix is not None else []) + [(kept, mx.array(bidx))]
-        ctx = SegmentView(self.layers, R, offset=mx.array(self.P + lens[bidx]), past=past,
-                           past_pos=mx.array(past_pos))
-        h = forward(net, [list(labels.ids[lab[r]][:-1]) for r in range(R)], ctx, self.by_layer)  # [R, M1, hidden]
-        flat, target, owner = [], [], []
-        for r in range(R):
-            ids = labels.ids[lab[r]]
-            for j in range(len(ids) - 1):
-                flat.append(r * M1 + j)
-                target.append(ids[j + 1])
-                owner.append(int(bidx[r] * nl + lab[r]))
-        hs = h.reshape(R * M1, -1)[mx.array(flat)]
-        tgt = mx.array(target)
-        lps = []
-        for s in range(0, len(flat), _HEAD_CHUNK):  # the full head, only at label positions, in chunks
-            logits = net.head(hs[s:s + _HEAD_CHUNK]).astype(mx.float32)
-            picked = mx.take_along_axis(logits, tgt[s:s + _HEAD_CHUNK, None], axis=-1)[:, 0]
-            lps.append(picked - mx.logsumexp(logits, axis=-1))
-        total = mx.zeros((B * nl,), dtype=mx.float32).at[mx.array(owner)].add(mx.concatenate(lps))
-        return total.reshape(B, nl)
+        bidx_all = np.tile(np.arange(B), len(multi))  # pair r continues prompt bidx[r]
+        lab_all = np.repeat(np.array(multi), B)  # ... with label lab[r]
+        for part in plan_batches([len(labels.ids[k]) - 1 for k in lab_all], self.budget):
+            bidx, lab = bidx_all[part], lab_all[part]
+            n = len(bidx)
+            own = np.arange(Lp)[None] + self.P
+            own = np.where(np.arange(Lp)[None] < lens[bidx][:, None], own, FAR)  # hide the prompt's padding
+            past_pos = own if not self.P else np.concatenate([np.broadcast_to(np.arange(self.P), (n, self.P)), own], 1)
+            past = ([self.prefix.segment()] if self.prefix is not None else []) + [(kept, mx.array(bidx))]
+            ctx = SegmentView(self.layers, n, offset=mx.array(self.P + lens[bidx]), past=past,
+                               past_pos=mx.array(past_pos))
+            conts = [list(labels.ids[lab[r]][:-1]) for r in range(n)]
+            width = max(map(len, conts))
+            h = forward(net, conts, ctx, self.by_layer)  # [n, width, hidden]
+            flat, target, owner = [], [], []
+            for r in range(n):
+                ids = labels.ids[lab[r]]
+                for j in range(len(ids) - 1):
+                    flat.append(r * width + j)
+                    target.append(ids[j + 1])
+                    owner.append(int(bidx[r] * nl + lab[r]))
+            hs = h.reshape(n * width, -1)[mx.array(flat)]
+            tgt = mx.array(target)
+            lps = []
+            for c in range(0, len(flat), _HEAD_CHUNK):  # the full head, only at label positions, in chunks
+                logits = net.head(hs[c:c + _HEAD_CHUNK]).astype(mx.float32)
+                picked = mx.take_along_axis(logits, tgt[c:c + _HEAD_CHUNK, None], axis=-1)[:, 0]
+                lps.append(picked - mx.logsumexp(logits, axis=-1))
+            total = mx.zeros((B * nl,), dtype=mx.float32).at[mx.array(owner)].add(mx.concatenate(lps))
+            yield total.reshape(B, nl)
 
     def _choose(self, logits, seeds):
         p = self.params
@@ -323,61 +335,127 @@ def classify(model, prompts, *, return_logits: bool = False, labels=None, label_
     ``token_budget``: padded tokens per forward (None: :func:`default_token_budget`).  ``on_result(index, result)`` is called
     as each prompt finishes (batches finish longest prompts first), e.g. to stream
     results to a file.  See the module docstring for the exact semantics.
+
+    Interrupted (``KeyboardInterrupt``), it first hands ``on_result`` the batches whose work is
+    already queued whole, so that a resumed job repeats as little as possible.
     """
-    p = request.check(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
-                      model.config.vocab_size, names=request.SAMPLING, what="classify")
-    params = SamplingParams(*(p[k] for k in request.SAMPLING))
-    if token_budget is None:
-        token_budget = default_token_budget()
-    if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
-        raise InvalidRequestError(f"token_budget must be an int >= 1 (padded tokens per forward), got {token_budget!r}")
-    if isinstance(prompts, str) or _is_ids(prompts) and prompts:
-        raise InvalidRequestError("prompts must be a list of prompts (strings or lists of token ids), "
-                                  "not a single prompt; wrap it in a list")
-    prompts = list(prompts)
-    label_set = encode_labels(model, labels, label_prefix) if labels is not None else None
-    prefix_ids = _encode_prefix(model, prefix) if prefix is not None else []
-    share = bool(share_prefix) and bool(prefix_ids)
-    extra = label_set.longest - 1 if label_set is not None else 0
+    job = ClassifyJob(model, prompts, return_logits=return_logits, labels=labels, label_prefix=label_prefix,
+                      prefix=prefix, share_prefix=share_prefix, token_budget=token_budget, temperature=temperature,
+                      top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, on_result=on_result)
+    try:
+        while not job.advance():
+            pass
+    except KeyboardInterrupt:
+        job.finish_queued()
+        raise
+    return job.results
 
-    results: list[ClassifyResult | None] = [None] * len(prompts)
-    own: dict[int, list[int]] = {}  # the tokens each row runs (after the shared prefix when sharing)
-    for i, p in enumerate(prompts):
+
+class ClassifyJob:
+    """One :func:`classify` call as units of work, each at most ``token_budget`` padded tokens (a batch
+    of prompts, or a share of a batch's multi-token label continuations), run by :meth:`advance`.
+
+    :func:`classify` runs the units back to back; an :class:`~slotinfer.Inferencer`'s worker runs
+    one between two engine steps, so a classification shares the engine's thread and budget with
+    decoding.  Both run the same units, so their results are the same.  The constructor checks the
+    request and tokenizes every prompt (raising :class:`InvalidRequestError` for the whole request's
+    problems); no forward runs before the first :meth:`advance`.
+    """
+
+    def __init__(self, model, prompts, *, return_logits: bool = False, labels=None, label_prefix: str = "",
+                 prefix=None, share_prefix: bool = True, token_budget: int | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int | None = None, on_result: Callable[[int, ClassifyResult], None] | None = None):
+        p = request.check(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+                          model.config.vocab_size, names=request.SAMPLING, what="classify")
+        params = SamplingParams(*(p[k] for k in request.SAMPLING))
+        if token_budget is None:
+            token_budget = default_token_budget()
+        if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
+            raise InvalidRequestError(
+                f"token_budget must be an int >= 1 (padded tokens per forward), got {token_budget!r}")
+        if isinstance(prompts, str) or _is_ids(prompts) and prompts:
+            raise InvalidRequestError("prompts must be a list of prompts (strings or lists of token ids), "
+                                      "not a single prompt; wrap it in a list")
+        prompts = list(prompts)
+        label_set = encode_labels(model, labels, label_prefix) if labels is not None else None
+        prefix_ids = _encode_prefix(model, prefix) if prefix is not None else []
+        share = bool(share_prefix) and bool(prefix_ids)
+        extra = label_set.longest - 1 if label_set is not None else 0
+        self.on_result = on_result
+        self.results: list[ClassifyResult | None] = [None] * len(prompts)
+        own: dict[int, list[int]] = {}  # the tokens each row runs (after the shared prefix when sharing)
+        for i, p in enumerate(prompts):
+            try:
+                ids = _encode_sentence(model, p, prefixed=prefix is not None)
+                total = len(prefix_ids) + len(ids)
+                if total + extra >= model.context_length:
+                    what = f"{len(prefix_ids)} prefix + {len(ids)} prompt tokens" if prefix_ids else f"{len(ids)} tokens"
+                    more = f" plus {extra} label tokens" if extra else ""
+                    raise PromptTooLongError(
+                        f"the prompt has {what}{more}; the model's context is {model.context_length}: shorten it")
+                own[i] = ids if share else prefix_ids + ids
+            except Exception as e:  # noqa: BLE001 - a bad prompt fails alone
+                self._give(i, ClassifyResult(token=None, error=e))
+        self._own, self._lengths = own, {i: len(prefix_ids) + len(ids) if share else len(ids) for i, ids in own.items()}
+        keys = list(own)
+        self._batches = [[keys[j] for j in b] for b in plan_batches([len(own[k]) for k in keys], token_budget)]
+        self._ready: list[tuple[list[int], dict]] = []  # batches whose every unit is queued, in order
+        self._new_runner = lambda: _Classifier(
+            model, labels=label_set, return_logits=return_logits, params=params, budget=token_budget,
+            base_seed=params.seed if params.seed is not None else random.getrandbits(32), prefix_ids=prefix_ids,
+            share=share)
+        self._work = self._units() if own else None
+
+    def advance(self) -> bool:
+        """Queue the next unit of work (and wait for the one before it, handing ``on_result`` each batch
+        that is done); True once every result is in :attr:`results`."""
+        if self._work is None:
+            return True
         try:
-            ids = _encode_sentence(model, p, prefixed=prefix is not None)
-            total = len(prefix_ids) + len(ids)
-            if total + extra >= model.context_length:
-                what = f"{len(prefix_ids)} prefix + {len(ids)} prompt tokens" if prefix_ids else f"{len(ids)} tokens"
-                more = f" plus {extra} label tokens" if extra else ""
-                raise PromptTooLongError(
-                    f"the prompt has {what}{more}; the model's context is {model.context_length}: shorten it")
-            own[i] = ids if share else prefix_ids + ids
-        except Exception as e:  # noqa: BLE001 - a bad prompt fails alone
-            results[i] = ClassifyResult(token=None, error=e)
-            if on_result is not None:
-                on_result(i, results[i])
-    if not own:
-        return results
+            next(self._work)
+            return False
+        except StopIteration:
+            self._work = None
+            return True
 
-    base_seed = params.seed if params.seed is not None else random.getrandbits(32)
-    runner = _Classifier(model, labels=label_set, return_logits=return_logits, params=params,
-                         base_seed=base_seed, prefix_ids=prefix_ids, share=share)
-    keys = list(own)
-    batches = [[keys[j] for j in b] for b in plan_batches([len(own[k]) for k in keys], token_budget)]
-    pending = None
+    def finish_queued(self):
+        """Wait for the batches whose work is queued whole and hand their results on (interrupted, say)."""
+        while self._ready:
+            self._finish(*self._ready[0])
+            self._ready.pop(0)
 
-    def finish(batch, out):
-        lengths = [len(prefix_ids) + len(own[i]) if share else len(own[i]) for i in batch]
-        for i, r in zip(batch, runner.collect(out, batch, lengths)):
-            results[i] = r
-            if on_result is not None:
-                on_result(i, r)
+    def _units(self):
+        self._runner = runner = self._new_runner()  # the shared prefix is computed here, in the first unit
+        before = None  # the arrays of the unit queued last
+        for batch in self._batches:
+            work, out = runner.units([self._own[i] for i in batch], batch), None
+            while out is None:
+                try:
+                    arrays = next(work)
+                except StopIteration as stop:
+                    out = stop.value
+                    arrays = list(out.values())
+                mx.async_eval(arrays)  # computes while the one before it is read back (or a decode step runs)
+                earlier = len(self._ready)
+                if out is not None:  # queued whole: interrupted, it is finished before the interrupt goes on
+                    self._ready.append((batch, out))
+                for _ in range(earlier):
+                    self._finish(*self._ready[0])
+                    self._ready.pop(0)
+                if not earlier and before is not None:
+                    mx.eval(before)
+                before = arrays
+                yield
+        self.finish_queued()
 
-    for batch in batches:  # build batch k+1's graph while batch k computes
-        out = runner.run([own[i] for i in batch], batch)
-        mx.async_eval(list(out.values()))
-        if pending is not None:
-            finish(*pending)
-        pending = (batch, out)
-    finish(*pending)
-    return results
+    def _finish(self, batch: list[int], out: dict):
+        lengths = [self._lengths[i] for i in batch]
+        for i, r in zip(batch, self._runner.collect(out, batch, lengths)):
+            if self.results[i] is None:  # interrupted, a batch is finished again: each result is given once
+                self._give(i, r)
+
+    def _give(self, i: int, r: ClassifyResult):
+        self.results[i] = r
+        if self.on_result is not None:
+            self.on_result(i, r)

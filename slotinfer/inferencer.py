@@ -5,7 +5,9 @@
     ...     print(h.result().text)
 
 A background thread owns the slot table and runs the engine loop; producers on any
-thread (or an asyncio loop) submit requests and get :class:`Handle` objects back.
+thread (or an asyncio loop) submit requests and get :class:`Handle` objects back.  The same
+thread runs classifications (:meth:`Inferencer.submit_classify`), one unit of work after each
+engine step.
 Worker threads outlive their Inferencer and serve the next one (see :class:`_Workers`).
 
 The Inferencer only hands work between threads: a request waits for its slot in the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import functools
 import queue
 import sys
@@ -34,7 +37,7 @@ import mlx.core as mx
 
 from . import request
 from .engine import Engine
-from .errors import EngineClosed, EngineError, InvalidRequestError, QueueFull
+from .errors import Cancelled, EngineClosed, EngineError, InvalidRequestError, QueueFull
 from .handle import Handle
 from .types import Completion
 
@@ -147,6 +150,7 @@ class Inferencer:
         # of those no free slot awaits; with the inbox it is what ``max_queue`` bounds.
         # Submitting, closing and the worker's decision to exit all happen under this condition.
         self._inbox: deque = deque()
+        self._jobs: deque[ClassifyHandle] = deque()  # classifications, first come first run, one unit a turn
         self._backlog = 0
         self._max_queue = max_queue
         self._cv = threading.Condition()
@@ -157,7 +161,7 @@ class Inferencer:
         self._failure: EngineError | None = None  # set if the loop itself failed (a bug): every request gets it
         self._accepted = self._refused = 0  # requests queued; requests refused at submit (full queue, closed)
         # not at exit: there _close_live cancels what is still running, as close() would
-        weakref.finalize(self, _abandoned, self._inbox, self.engine).atexit = False
+        weakref.finalize(self, _abandoned, self._inbox, self._jobs, self.engine).atexit = False
         if start:
             self.start()
 
@@ -229,6 +233,38 @@ class Inferencer:
     def generate(self, prompt=None, **params) -> Completion:
         """Submit and wait: the blocking one-liner."""
         return self.submit(prompt, **params).result()
+
+    def submit_classify(self, prompts, **params) -> "ClassifyHandle":
+        """Queue a classification (:meth:`Model.classify`'s arguments) from any thread; returns its
+        :class:`ClassifyHandle` at once.
+
+        The worker runs it between engine steps, one unit of work a step (a batch of prompts, or a
+        share of a batch's label continuations, each at most ``token_budget`` padded tokens; None:
+        the engine's ``prefill_tokens``), so a running stream waits at most one unit for each
+        token, and the results are those of ``model.classify`` with the same ``token_budget``.
+        Classifications run one after another, in the order submitted.  Checking the request and
+        tokenizing happen here, on the calling thread: a bad request raises
+        :class:`InvalidRequestError`.  ``on_result`` runs on the worker thread.
+        """
+        from .classify import ClassifyJob
+
+        self._check_open()
+        params.setdefault("token_budget", self.engine.encoder.budget)
+        handle = ClassifyHandle(ClassifyJob(self.model, prompts, **params))
+        with self._cv:
+            self._check_open()
+            if self._failure is not None:
+                handle._end(error=self._failure)
+                return handle
+            self._jobs.append(handle)
+            if self._done is not None:
+                _working.add(self)
+            self._cv.notify_all()
+        return handle
+
+    def classify(self, prompts, **params) -> list:
+        """:meth:`submit_classify` and wait: a list of :class:`ClassifyResult`, in input order."""
+        return self.submit_classify(prompts, **params).result()
 
     async def chat_async(self, messages, **params) -> Completion:
         """:meth:`generate_async` for chat ``messages``."""
@@ -393,19 +429,45 @@ class Inferencer:
     def _turn(self) -> bool:
         """One turn of the worker's loop: take requests, then step; True when the worker should exit."""
         engine = self.engine
-        if self._take(block=not engine.busy):
+        if self._take(block=not engine.busy and not self._jobs):
             return True
         if self._cancel_all:
             for item in engine.in_flight():
                 item.handle.cancel()
+            for job in list(self._jobs):
+                job.cancel()
         if engine.busy:
             engine.step_or_fail()  # a device failure ends the items in flight, not the worker
+        if self._jobs:
+            self._classify_unit()  # between two decode steps, as a prefill chunk would be
         return False
+
+    def _classify_unit(self):
+        """Run one unit of the first classification (or end it: done or failed alone); those cancelled
+        end first, wherever they wait."""
+        with self._cv:
+            cancelled = [h for h in self._jobs if h.cancelled]
+            for h in cancelled:
+                self._jobs.remove(h)
+            handle = self._jobs[0] if self._jobs else None
+        for h in cancelled:
+            h._end(error=Cancelled("the classification was cancelled before it finished"))
+        if handle is None:
+            return
+        try:
+            if not handle.job.advance():
+                return
+            handle._end(result=handle.job.results)
+        except BaseException as e:  # what the request carries (its on_result, a device failure) ends it alone
+            handle._end(error=e if isinstance(e, Exception)
+                        else EngineError(f"the classification failed: {type(e).__name__} ({e!r})"))
+        with self._cv:
+            self._jobs.remove(handle)
 
     def _idle(self) -> bool:
         """On the worker: True (and no longer kept alive for work) when nothing is queued or running."""
         with self._cv:
-            if self._inbox or self.engine.busy:
+            if self._inbox or self._jobs or self.engine.busy:
                 return False
             _working.discard(self)
             return True
@@ -418,21 +480,25 @@ class Inferencer:
                 f"close it and create a new one")
             pending = [*self._inbox, *self.engine.in_flight()]
             self._inbox.clear()
+            jobs = list(self._jobs)
+            self._jobs.clear()
             self._cv.notify_all()
         self.engine.fail(pending, self._failure)
+        for job in jobs:
+            job._end(error=self._failure)
 
     def _take(self, block: bool) -> bool:
         """Hand every submitted request to the engine; True when the worker should exit."""
         engine = self.engine
         with self._cv:
             self._recount(self._queued())  # the last step may have admitted some
-            if block and not self._inbox and not self._closed:
+            if block and not self._inbox and not self._jobs and not self._closed:
                 self._cv.wait(timeout=0.1)
             queued = self._queued()
             while self._inbox:
                 engine.add(self._inbox.popleft())
             self._recount(queued)  # those a free slot awaits no longer count
-            return self._closed and not engine.busy
+            return self._closed and not engine.busy and not self._jobs
 
     def _recount(self, queued: int):
         """Count the engine's backlog again (under the condition), waking a blocked submit if fewer
@@ -463,12 +529,56 @@ def _work(ref):
         _working.discard(inf)
 
 
-def _abandoned(inbox, engine):
+def _abandoned(inbox, jobs, engine):
     """An Inferencer freed without :meth:`~Inferencer.close` (one never started, say): end what it
     still held, so no request hangs."""
-    engine.fail([*inbox, *engine.in_flight()], EngineClosed(
+    error = EngineClosed(
         "the Inferencer was dropped (garbage-collected) without close() while this request was pending; "
-        "close it, or use it in a `with` block, to let its requests finish"))
+        "close it, or use it in a `with` block, to let its requests finish")
+    engine.fail([*inbox, *engine.in_flight()], error)
+    for job in jobs:
+        job._end(error=error)
+
+
+class ClassifyHandle:
+    """A classification queued with :meth:`Inferencer.submit_classify`.
+
+    :meth:`result` waits for the list of :class:`ClassifyResult`; ``await handle`` does so in
+    asyncio code.  :meth:`cancel` (from any thread) stops it before its next unit of work: its
+    result then raises :class:`Cancelled`.
+    """
+
+    def __init__(self, job):
+        self.job = job
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        self._cancelled = False
+
+    def cancel(self):
+        """Stop the classification at its next unit of work (a no-op once it ended)."""
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list:
+        """The results, in input order; raises what ended the classification (:class:`Cancelled`, say)."""
+        return self._future.result(timeout)
+
+    def __await__(self):
+        return asyncio.wrap_future(self._future).__await__()
+
+    def _end(self, result=None, error: BaseException | None = None):
+        if self._future.done():
+            return
+        if error is not None:
+            self._future.set_exception(error)
+        else:
+            self._future.set_result(result)
+        self.job = None  # its arrays and tokens go with it
 
 
 @dataclass(frozen=True)
@@ -517,4 +627,4 @@ def _failed(request_id, err) -> Completion:
     return c
 
 
-__all__ = ["Inferencer", "Request", "EngineError"]
+__all__ = ["Inferencer", "Request", "ClassifyHandle", "EngineError"]

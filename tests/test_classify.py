@@ -103,10 +103,12 @@ def test_label_scores_are_exact_sequence_logprobs(tiny, family):
     shared = classify(model, sentences, labels=labels, label_prefix=" ", prefix=prefix, token_budget=24)
     alone = classify(model, sentences, labels=labels, label_prefix=" ", prefix=prefix, share_prefix=False,
                      token_budget=64)
-    for s, a, b in zip(sentences, shared, alone):
+    # a budget of 3 tokens: every (sentence, label) continuation is a forward of its own
+    split = classify(model, sentences, labels=labels, label_prefix=" ", prefix=prefix, token_budget=3)
+    for s, a, b, c in zip(sentences, shared, alone, split):
         ids = pre_ids + model.tokenizer.encode(s, add_special_tokens=False)
         want = ref_label_scores(model, ids, lab_ids)
-        for r in (a, b):
+        for r in (a, b, c):
             got = np.array([r.scores[name] for name in labels])
             np.testing.assert_allclose(got, want, atol=ATOL)
             assert r.label == labels[int(np.argmax(want))] and r.token == lab_ids[labels.index(r.label)][0]
@@ -400,3 +402,35 @@ def test_a_shared_prefix_is_computed_once_across_calls(tiny, monkeypatch):
     for i in range(classify_module.PREFIXES_KEPT + 3):
         classify(model, ["x"], prefix=f"Instruction number {i}: ", return_logits=True)
     assert len(classify_module._PREFIXES[model]) <= classify_module.PREFIXES_KEPT
+
+
+def test_label_continuations_are_sliced_longest_first_without_padding(tiny, monkeypatch):
+    """Continuations of two lengths, listed alternately, run in slices of one length each: no padded
+    token, however the labels are ordered, and each slice within the budget; the scores stay exact."""
+    from slotinfer import classify as classify_module
+
+    model = tiny["qwen3"][1]
+    short = ["blue", "cloud", "cat dog", "cat sun", "cat red", "dog cat"]
+    long = ["blue cloud", "cloud blue", "cat dog blue", "cat dog cloud", "cat sun blue", "cat sun cloud"]
+    labels = [lab for pair in zip(long, short) for lab in pair]
+    lab_ids = [model.tokenizer.encode(" " + s, add_special_tokens=False) for s in labels]
+    lengths = {len(t) for t in lab_ids}
+    assert len(lengths) == 2 and min(lengths) > 1, lengths  # the tokenizer gives the two lengths assumed
+    width = max(lengths) - 1
+    budget = 3 * width  # three long continuations fill a slice
+    calls = []
+    real = classify_module.forward
+
+    def recording(net, rows, *a, **kw):
+        calls.append([len(r) for r in rows])
+        return real(net, rows, *a, **kw)
+
+    monkeypatch.setattr(classify_module, "forward", recording)
+    prompt = "the weather today"
+    (r,) = classify(model, [prompt], labels=labels, label_prefix=" ", token_budget=budget)
+    conts = calls[1:]  # after the prompt's own forward
+    assert sum(map(len, conts)) == len(labels)
+    for rows in conts:
+        assert len(rows) * max(rows) <= budget and len(set(rows)) == 1, conts
+    want = ref_label_scores(model, model.encode_prompt(prompt), lab_ids)
+    np.testing.assert_allclose([r.scores[name] for name in labels], want, atol=ATOL)

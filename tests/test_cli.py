@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 
 import pytest
 
@@ -112,10 +113,13 @@ def test_ctrl_c_during_classify_writes_what_is_done_and_a_rerun_finishes_it(mode
         time.sleep(0.02)
     shown = dest.read_bytes().count(b"\n")
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130 and "interrupted" in proc.stderr.read()
+    assert proc.wait(timeout=60) == 130
+    err = proc.stderr.read()
     proc.stderr.close()
     kept = [json.loads(line) for line in dest.read_text().splitlines()]
     assert shown <= len(kept) < 3000
+    said = re.search(r"interrupted: (\d+) sentences written in .*out\.jsonl; the same command resumes", err)
+    assert said and int(said[1]) == len(kept), err  # what it says is what the file holds
     again = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
     ids = [json.loads(line)["id"] for line in dest.read_text().splitlines()]

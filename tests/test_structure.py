@@ -1,4 +1,5 @@
-"""The package's shape: no module imports (even lazily, inside a function) a module that imports it."""
+"""The package's shape: no module imports (even lazily, inside a function) a module that imports it;
+every variable is read in one place; a benchmark loads slotinfer before MLX."""
 
 import ast
 from pathlib import Path
@@ -99,3 +100,32 @@ def test_every_slotinfer_variable_is_read_in_settings_and_documented():
     table = (PKG.parent / "docs" / "configuration.md").read_text()
     rows = set(re.findall(r"^\| `(SLOTINFER_[A-Z_]+)` \|", table, re.M))
     assert in_settings and in_settings <= rows, f"undocumented: {sorted(in_settings - rows)}"
+
+
+def _first_imports(path: Path) -> dict[str, int]:
+    """The line of the first top-level import of each top package a script names."""
+    first: dict[str, int] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        for n in names:
+            first.setdefault(n.split(".")[0], node.lineno)
+    return first
+
+
+def test_every_benchmark_imports_slotinfer_before_mlx(tmp_path):
+    """slotinfer installs the optimized BLAS before mlx.core loads; a script importing MLX first
+    measures MLX's reference BLAS (f32 matmul ~30x slower on CPU) and says so only in a warning."""
+    late = tmp_path / "late.py"
+    late.write_text("import time\nimport mlx.core as mx\n\nimport slotinfer\n")
+    assert _first_imports(late) == {"time": 1, "mlx": 2, "slotinfer": 4}  # the checker sees the wrong order
+    wrong = {}
+    for path in sorted((PKG.parent / "benchmarks").glob("*.py")):
+        first = _first_imports(path)
+        if "mlx" in first and first.get("slotinfer", 1 << 30) > first["mlx"]:
+            wrong[path.name] = first
+    assert not wrong, f"import slotinfer before mlx in: {wrong}"

@@ -348,10 +348,14 @@ def _run(args) -> int:
                            "scores": {k: round(v, 6) for k, v in res.scores.items()}, "run": run})
                 progress.step(error=res.error is not None)
 
-            if good:
+            if good:  # interrupted, it still writes the batches its queued work finishes
                 classify(model, [r.text + suffix for r in good], labels=labels, label_prefix=args.label_prefix,
                          prefix=prefix, token_budget=budget, on_result=on_result)
             out.flush()
+    except KeyboardInterrupt:
+        where = f"in {args.output}; the same command resumes after them" if args.output else "on stdout"
+        print(f"\nslotinfer classify: interrupted: {progress.done} sentences written {where}", file=sys.stderr)
+        raise
     finally:
         progress.close()
         if out is not sys.stdout:

@@ -6,16 +6,14 @@ tokens arrive through the handle's asyncio stream, and a client that goes away
 cancels its handles, which frees their slots at the engine's next step.
 
 Why one module: every route reads the one ``_Server`` (the Inferencer, the metrics, the
-limits, the classifier's thread and the shutdown flag) and refuses a request one way.
+limits and the shutdown flag) and refuses a request one way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -26,7 +24,7 @@ from starlette.routing import Route
 
 from .. import tools
 from ..cpu import allocator
-from ..errors import InvalidRequestError, PromptTooLongError
+from ..errors import Cancelled, InvalidRequestError, PromptTooLongError
 from ..request import CONSTRAINTS, short
 from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
@@ -83,10 +81,6 @@ def default_name(path: Path) -> str:
     return path.name
 
 
-class _Stopped(Exception):
-    """A classify job stopped between two batches: its client left, or the server is ending its requests."""
-
-
 async def _http_error(request, exc: HTTPException):
     code = "not_found" if exc.status_code == 404 else None
     return APIError(exc.status_code, f"{request.method} {short(request.url.path, 200)}: {exc.detail}",
@@ -107,11 +101,8 @@ class _Server:
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
         self.tool_format = tools.format_of(self.model)  # the format its tool calls are parsed in
-        # classify runs prefill-only batches on the model outside the slot table, one batch at a time
-        self._classifier = ThreadPoolExecutor(1, thread_name_prefix="slotinfer-classify")
-        self._classify_pending = 0
+        self._classify_pending = 0  # classifications submitted to the Inferencer that have not ended
         self.classify_limits = classify_limits
-        self._ending = False  # set by end_requests
 
     # -- plain pages ----------------------------------------------------------------
 
@@ -342,7 +333,7 @@ class _Server:
     # -- classification -------------------------------------------------------------
 
     async def classify(self, request: Request):
-        stop = threading.Event()  # set when its client leaves: the job ends at its next batch
+        handle = None
         try:
             self._authorize(request)
             req = parse_classify(await self._json(request), self.classify_limits)
@@ -353,20 +344,25 @@ class _Server:
                                type="rate_limit_error", code="rate_limit_exceeded",
                                headers={"Retry-After": str(self.retry_after)})
             self._classify_pending += 1
-            job = asyncio.get_running_loop().run_in_executor(self._classifier, self._run_classify, req, stop)
+            try:  # tokenizing thousands of inputs or labels takes a while: off the event loop
+                handle = await asyncio.to_thread(self._submit_classify, req)
+            except BaseException:
+                self._classify_pending -= 1
+                raise
+            job = asyncio.ensure_future(handle)  # the Inferencer's worker runs it between decode steps
             job.add_done_callback(self._classify_done)
             gone = asyncio.ensure_future(disconnected(request))
             try:
                 await asyncio.wait([job, gone], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 gone.cancel()
-                stop.set()  # a no-op for a job that ended
+                handle.cancel()  # a no-op for a job that ended; else it stops before its next unit of work
             if not job.done():  # the client went away: no one reads an answer
                 self.metrics.outcome("classify", "cancelled")
                 return Response(status_code=499)
             try:
                 results = job.result()
-            except _Stopped:
+            except Cancelled:  # the server ended it: shutting down
                 self.metrics.outcome("classify", "cancelled")
                 return cut_short().response()
             for i, r in enumerate(results):
@@ -381,28 +377,16 @@ class _Server:
                              "data": [{"index": i, "label": r.label, "scores": r.scores} for i, r in enumerate(results)],
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
-    def _classify_done(self, _job):
+    def _classify_done(self, job):
         self._classify_pending -= 1
+        if not job.cancelled():
+            job.exception()  # read, so that a job whose client left logs nothing
 
-    def _run_classify(self, req, stop: threading.Event):
-        """On the classifier's thread: tokenize, check the request's size, classify batch by batch,
-        stopping between batches once ``stop`` is set or the server is ending its requests."""
-        import mlx.core as mx
-
-        def go_on(*_):
-            if stop.is_set() or self._ending:
-                raise _Stopped
-
-        go_on()  # the client may have left, or the server be ending, while this job waited its turn
+    def _submit_classify(self, req):
+        """On a thread of its own: tokenize, check the request's size, and hand the job to the Inferencer,
+        whose worker runs it a unit at a time between decode steps."""
         prefix, rows = self._classify_tokens(req)
-        if not hasattr(self, "_classify_stream"):  # the executor's one thread gets a stream of its own
-            self._classify_stream = mx.new_stream(mx.default_device())
-        with mx.stream(self._classify_stream):
-            try:
-                return self.model.classify(rows, labels=req.labels, prefix=prefix, label_prefix=req.label_prefix,
-                                           on_result=go_on)
-            finally:
-                mx.synchronize(self._classify_stream)
+        return self.inf.submit_classify(rows, labels=req.labels, prefix=prefix, label_prefix=req.label_prefix)
 
     def _classify_tokens(self, req) -> tuple[list[int] | None, list]:
         """The prefix's and each input's ids, as Model.classify takes them (a sentence behind a prefix
@@ -440,8 +424,7 @@ class _Server:
     def end_requests(self):
         """End every request now, each with its answer (a 503, or a stream's error event and ``[DONE]``):
         the server is shutting down and its grace period ran out.  Closes the Inferencer without draining
-        and stops each classify at its next batch."""
-        self._ending = True
+        and stops each classify before its next unit of work."""
         self.inf.close(drain=False)
 
     def _refuse(self, endpoint: str, e: BaseException) -> Response:
