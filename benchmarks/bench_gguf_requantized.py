@@ -1,10 +1,13 @@
-"""Where weights stay quantized (a GPU), how K-quant GGUF weights requantized to MLX's affine layout
-agree with the dequantized ones: greedy tokens on the conformance prompts, and memory.
+"""How K-quant GGUF weights kept compact agree with the dequantized ones: greedy tokens on the
+conformance prompts, and memory, for the GPU's requantized MLX affine layout and the CPU kernels'
+repacked blocks.
 
 SmolLM2-135M-Instruct's Q4_1 file is re-encoded as llama.cpp lays out Q6_K and Q4_K_M files (the test
-writer's ``requantize``), then each is run twice on this machine's CPU in float32: with the CPU policy's
-dequantized weights, and with the weights the GPU policy keeps (``device.requantized_layout``),
-dequantized again so that only the weights differ.
+writer's ``requantize``), then each is run on this machine's CPU three ways: with the weights
+dequantized to float32 (the reference), with the weights the GPU policy keeps
+(``device.requantized_layout``) dequantized again so that only the weights differ, and on the CPU's
+own kernels with the blocks repacked at load (:mod:`slotinfer.cpu.repack`; Q4_K as Q4_1, the rest
+as Q8_0).
 
     python benchmarks/bench_gguf_requantized.py [--all-8-bit]
 """
@@ -59,7 +62,7 @@ def main():
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             requantize(src, path, recipe)
-        want = greedy(slotinfer.load(path))
+        want = greedy(slotinfer.load(path, dtype="float32"))
         cfg, weights, quant, meta, _ = gguf.read(path, keep_quantized=True)
         bits = sorted({q["bits"] for q in quant.values()})
         kept = sum(w.nbytes for w in weights.values()) / 2**20
@@ -67,6 +70,13 @@ def main():
         model = loader.assemble(cfg, weights, quant, dtype=None, path=path, tokenizer=lambda: (tok, tok.eos_ids))
         print(f"{name}: kept as {bits} bits, {kept:.0f} MiB; greedy tokens in agreement before the first "
               f"difference: {', '.join(agreement(greedy(model), want))}")
+        if device.cpu_block_kernels():
+            cfg, weights, quant, meta, _ = gguf.read(path, blocks=True)
+            formats = sorted({q["format"] for q in quant.values()})
+            kept = sum(w.nbytes for w in weights.values()) / 2**20
+            model = slotinfer.load(path)
+            print(f"{name}: repacked as {formats}, {kept:.0f} MiB ({path.stat().st_size / 2**20:.0f} MiB file); "
+                  f"greedy tokens in agreement: {', '.join(agreement(greedy(model), want))}")
 
 
 if __name__ == "__main__":

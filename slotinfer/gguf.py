@@ -220,7 +220,8 @@ def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32, blocks: 
     tensor data is read.  Tensors that gguf's reference dequantizes become ``dtype`` arrays, or MLX
     affine triples in :func:`slotinfer.device.requantized_layout` where ``keep_quantized``.
     ``blocks``: Q8_0/Q4_0/Q4_1 matrices stay the file's bytes (``uint8``, quantization
-    ``{"format": "q4_1"}``), for the CPU's own kernels (:mod:`slotinfer.cpu.qlayers`)."""
+    ``{"format": "q4_1"}``), for the CPU's own kernels (:mod:`slotinfer.cpu.qlayers`), and the
+    other quantized types' matrices are repacked into those blocks (:mod:`slotinfer.cpu.repack`)."""
     tensors, meta = scan(path)
     source = path.name
     name, fam = architecture(meta, source)
@@ -311,6 +312,8 @@ def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict,
         stored = np.fromfile(path, dtype="<f4" if t.type == _F32 else "<f2", count=count, offset=t.offset)
         _check_finite(path, t, stored)
         return {kind: mx.array(stored.reshape(t.shape))}
+    if blocks and kind == "weight" and len(t.shape) == 2 and t.shape[1] % 32 == 0:
+        return {kind: _repacked(path, t, quant, module)}
     w = _dequantize(path, t)
     _check_finite(path, t, w)
     if not (keep_quantized and kind == "weight" and len(t.shape) == 2):
@@ -321,6 +324,26 @@ def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict,
     # half precision in, as MLX's own triples are: the scales and biases come out float16
     q, scales, biases = mx.quantize(mx.array(w, dtype=mx.float16), **layout)
     return {"weight": q, "scales": scales, "biases": biases}
+
+
+def _repacked(path: Path, t: TensorInfo, quant: dict, module: str) -> mx.array:
+    """A matrix of another quantized type in blocks the CPU's kernels read (:mod:`slotinfer.cpu.repack`):
+    Q4_K as Q4_1, value for value; any other type requantized to Q8_0 from gguf's reading."""
+    from .cpu import repack
+
+    if t.type == repack.Q4_K:
+        per_block, block_bytes = t.block
+        raw = np.fromfile(path, dtype=np.uint8, count=t.shape[0] * t.shape[1] // per_block * block_bytes,
+                          offset=t.offset).reshape(t.shape[0], -1)
+        _check_finite(path, t, raw.reshape(-1, block_bytes)[:, :4].copy().view("<f2"))
+        out = repack.q4_k_to_q4_1(raw)
+        _check_finite(path, t, _block_scales(out, 3, 20))  # d * sc past float16's range
+        quant[module] = {"format": "q4_1"}
+        return mx.array(out)
+    w = _dequantize(path, t)
+    _check_finite(path, t, w)
+    quant[module] = {"format": "q8_0"}
+    return mx.array(repack.to_q8_0(w))
 
 
 def _block_scales(raw: np.ndarray, kind: int, block_bytes: int) -> np.ndarray:
