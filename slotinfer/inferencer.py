@@ -124,7 +124,9 @@ class Inferencer:
     K/V are kept in: "float16" halves their memory (docs/benchmarks.md measures its cost).
     ``kv_cache_bytes`` sizes the pool of K/V blocks every slot draws on (None: ``slots x max_len``
     tokens, at most a quarter of the machine's memory): a request is admitted when the free blocks
-    hold its prompt and ``max_tokens``, and waits otherwise; ``max_len`` caps one request.
+    hold its prompt, and waits otherwise; it takes a block more as its output crosses each block
+    boundary, and when none is free the newest request is preempted, to resume later by recompute
+    with the same output (``stats()["preempted"]`` counts them); ``max_len`` caps one request.
 
     Lifetime: :meth:`close` it (or use ``with``); a closed Inferencer holds no thread and
     is freed with its slot table once you drop it.  One dropped without ``close()`` finishes

@@ -158,7 +158,7 @@ class Generator(_Rows):
 
     Constructor keywords: ``model``; ``chat`` (wrap each prompt in the model's chat
     template as a user message); ``slots``, ``max_len``, ``prefill_tokens`` (the
-    Inferencer's table: ``slots x max_len`` tokens of K/V are reserved up front);
+    Inferencer's table: ``slots`` rows of up to ``max_len`` tokens, their K/V in a pool of blocks);
     and the generation parameters of :meth:`Model.generate` (``max_tokens``,
     ``temperature``, ``seed``, ``stop``...), the same for every row.
     """
