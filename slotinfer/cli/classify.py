@@ -230,6 +230,7 @@ class Progress:
     def close(self):
         if self.tty:
             sys.stderr.write("\n")
+            self.tty = False  # once
 
 
 def _clock(seconds: float) -> str:
@@ -352,10 +353,11 @@ def _run(args) -> int:
                 classify(model, [r.text + suffix for r in good], labels=labels, label_prefix=args.label_prefix,
                          prefix=prefix, token_budget=budget, on_result=on_result)
             out.flush()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # one line, and the shell's 128 + SIGINT
+        progress.close()  # ends the bar's line on a terminal
         where = f"in {args.output}; the same command resumes after them" if args.output else "on stdout"
-        print(f"\nslotinfer classify: interrupted: {progress.done} sentences written {where}", file=sys.stderr)
-        raise
+        print(f"slotinfer classify: interrupted: {progress.done} sentences written {where}", file=sys.stderr)
+        return 130
     finally:
         progress.close()
         if out is not sys.stdout:
