@@ -103,6 +103,29 @@ def test_in_a_compiled_graph_with_leading_axes():
 
 
 @built
+@pytest.mark.parametrize("compiled", [False, True])
+def test_strided_inputs_give_the_contiguous_result(compiled):
+    """Transposed, sliced or broadcast activations and a strided weight are read as their values
+    (the primitive packs them when it runs), bit for bit what their contiguous copies give."""
+    b, _ = blocks("Q8_0", 24, 96, 3)
+    rng = np.random.default_rng(4)
+    xt = rng.standard_normal((96, 5)).astype(np.float32)  # x = xt.T: a transposed view
+    wide = np.concatenate([b, b[::-1]], axis=1)  # w = wide[:, :cols]: rows of blocks a stride apart
+    row = rng.standard_normal((1, 96)).astype(np.float32)
+
+    def views(xt, wide, row):
+        w = wide[:, : b.shape[1]]
+        return [qkernel.qlinear(xt.T, w, "q8_0"), qkernel.qlinear(xt.T[1:4], w[::2], "q8_0"),
+                qkernel.qlinear(mx.broadcast_to(row, (3, 96)), w, "q8_0")]
+
+    run = mx.compile(views) if compiled else views
+    got = [np.array(a) for a in run(mx.array(xt), mx.array(wide), mx.array(row))]
+    assert np.array_equal(got[0], qlinear(np.ascontiguousarray(xt.T), b, "Q8_0"))
+    assert np.array_equal(got[1], qlinear(np.ascontiguousarray(xt.T[1:4]), np.ascontiguousarray(b[::2]), "Q8_0"))
+    assert np.array_equal(got[2], qlinear(np.repeat(row, 3, axis=0), b, "Q8_0"))
+
+
+@built
 def test_rejects_what_it_cannot_compute():
     b, _ = blocks("Q8_0", 4, 64, 0)
     with pytest.raises(ValueError):
