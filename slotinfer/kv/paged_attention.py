@@ -152,6 +152,7 @@ class PagedDecodeView:
         self.index, self.offset, self.tables, self.mask_pos = index, offset, tables, mask_pos
         self.span = tables.shape[1] * pool_keys[0].shape[2]
         self._masks = {}
+        self.rope_tables = {}  # the step's rope cosines and sines, made once for every layer
 
     def update(self, layer, k, v):
         self.keys[layer] = scatter(self.keys[layer], self.index, k)
