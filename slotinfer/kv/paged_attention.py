@@ -145,7 +145,8 @@ class PagedKV:
     index: tuple | None = None  # block_index(tables, kv_heads), made once for every layer
 
     def attend(self, q, scale: float, mask, softcap: float | None, ops: Ops = MLX_OPS, split: int = 1):
-        return paged_attend(q, self.keys, self.values, self.tables, scale, mask, softcap, ops, split, self.index)
+        return paged_attend(q, self.keys, self.values, self.tables, scale, mask, softcap, ops, split,
+                            self.index)
 
 
 class PagedDecodeView:
