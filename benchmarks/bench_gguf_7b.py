@@ -4,8 +4,8 @@ The file has Llama 2 7B's sizes (6.7e9 weights, 3.5 GiB) and random Q4_0 blocks,
 tests' GGUF writer (``write_random_gguf`` in tests/gguf_fixtures.py) tensor by tensor, into a
 temporary folder deleted after.  A fresh process loads it and reports the load's wall time, its
 peak resident memory, the resident memory once loaded, the model's weight bytes against the
-file's size, and greedy decode tokens/s on the engine with one and two sequences (the engine's
-own counter, median of ``--repeats`` interleaved runs), whose tokens it also gives alone
+file's size, and greedy decode tokens/s on the engine with one and two sequences (rows over the
+median step of a run, then the median of ``--repeats`` interleaved runs), whose tokens it also gives alone
 (``Model.generate``), for tests/test_gguf_7b.py to compare.
 
     python benchmarks/bench_gguf_7b.py                   # write, measure, delete
@@ -41,13 +41,18 @@ out = {"load_s": time.perf_counter() - t, "load_peak_rss": resource.getrusage(re
        "loaded_rss": rss(), "weights_bytes": sum(v.nbytes for _, v in tree_flatten(m.net.parameters()))}
 out["alone"] = [m.generate(p, max_tokens=new, ignore_eos=True).tokens for p in prompts]
 
-def engine(rows):
+def engine(rows):  # (tokens, decode tokens/s of the median step: the prefill's and the first steps left out)
     e = Engine(m, slots=len(rows), max_len=max(len(m.encode_prompt(p)) for p in rows) + new, prefix_cache_bytes=0)
     items = [e.make_item(p, max_tokens=new, ignore_eos=True) for p in rows]
     for it in items:
         e.add(it)
-    e.run_until_done()
-    return [it.handle.result(0).tokens for it in items], e.stats()["decode_tokens_per_s"]
+    steps = []
+    while e.busy:
+        t = time.perf_counter()
+        e.step()
+        steps.append(time.perf_counter() - t)
+    step = sorted(steps[2:-1])[len(steps[2:-1]) // 2]
+    return [it.handle.result(0).tokens for it in items], len(rows) / step
 
 out["decode_tps_1"], out["decode_tps_2"] = [], []
 for _ in range(repeats):  # interleaved, for the medians
