@@ -16,12 +16,11 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-SHAPES = {  # hidden, feed-forward, layers, heads, kv heads, vocab
-    "llama-1b": (2048, 8192, 16, 32, 8, 128256),
-    "smollm2": (576, 1536, 30, 9, 3, 49152),
+SHAPES = {
+    "llama-1b": dict(hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8, vocab=128256, tied=True),
+    "smollm2": dict(hidden=576, ffn=1536, layers=30, heads=9, kv_heads=3, vocab=49152, tied=True),
 }
 
 CHILD = """
@@ -42,44 +41,9 @@ print(json.dumps({"load_s": round(seconds, 2), "peak_rss_gib": round(rss / 2**20
 
 def write(path: Path, shape: str) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import gguf
-    import numpy as np
-    from gguf_fixtures import SCALE_FIELDS, _set_f16, add_metadata, llama_cpp_q4_k_m, tokenizer_metadata
-    from slotinfer.testing import make_tiny_model
+    from gguf_fixtures import llama_cpp_q4_k_m, write_random_gguf
 
-    hidden, ffn, layers, heads, kv, vocab = SHAPES[shape]
-    hd = hidden // heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    meta = {"block_count": layers, "context_length": 2048, "embedding_length": hidden, "feed_forward_length": ffn,
-            "attention.head_count": heads, "attention.head_count_kv": kv, "rope.dimension_count": hd,
-            "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 500000.0}
-    tok = make_tiny_model("llama", Path(tempfile.mkdtemp()) / "tok")  # a vocabulary, padded to the embedding
-    add_metadata(writer, {**{f"llama.{k}": v for k, v in meta.items()}, **tokenizer_metadata(tok, vocab, gemma=False)})
-    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
-    for i in range(layers):
-        for name, s in (("attn_norm", (hidden,)), ("attn_q", (hidden, hidden)), ("attn_k", (kv * hd, hidden)),
-                        ("attn_v", (kv * hd, hidden)), ("attn_output", (hidden, hidden)), ("ffn_norm", (hidden,)),
-                        ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
-            shapes[f"blk.{i}.{name}.weight"] = s
-    rng = np.random.default_rng(0)
-    for name, s in shapes.items():
-        kind = llama_cpp_q4_k_m(name, np.broadcast_to(np.float32(0), s))
-        if kind == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, np.ones(s, dtype=np.float32))
-            continue
-        if kind in SCALE_FIELDS:  # random blocks, every scale field 1e-3
-            per, size = gguf.GGML_QUANT_SIZES[kind]
-            blocks = rng.integers(0, 256, size=(s[0] * s[1] // per, size), dtype=np.uint8)
-            for field in SCALE_FIELDS[kind]:
-                _set_f16(blocks, field, np.full(len(blocks), 1e-3))
-        else:
-            blocks = gguf.quants.quantize(rng.standard_normal(s, dtype=np.float32) * 0.02, kind)
-        writer.add_tensor(name, blocks.reshape(s[0], -1), raw_shape=blocks.reshape(s[0], -1).shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_random_gguf(path, **SHAPES[shape], qtype=llama_cpp_q4_k_m, rope_base=500000.0)
 
 
 def main():

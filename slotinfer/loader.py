@@ -120,6 +120,7 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
     net.load_weights(list(weights.items()), strict=True)
     mx.eval(net.parameters())
     tok, eos_ids = tokenizer()
+    device.release_free_memory()
     return Model(net, cfg, tok, eos_ids=eos_ids, dtype=compute, path=path)
 
 

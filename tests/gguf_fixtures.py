@@ -20,8 +20,10 @@ two files describe the same tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import gguf
@@ -224,27 +226,64 @@ def _set_f16(blocks: np.ndarray, field, values: np.ndarray) -> None:
         blocks[:, field:field + 2] = bits.view(np.uint8).reshape(-1, 2)
 
 
-def random_blocks(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
-    """Valid random ``qtype`` blocks for a tensor of ``w``'s shape: random bytes, with each block's
-    float16 scales set (a random factor in [0.5, 1.5] per block) so that gguf's dequantization has
-    ``w``'s standard deviation and, where the type has a min, mean zero."""
-    per, size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(w.size // per, size), dtype=np.uint8)
-    fields = SCALE_FIELDS[qtype]
+# the float16 fields random blocks get their spread from: SCALE_FIELDS, and the scale d (and the min m of
+# Q4_1 and Q5_1) of the types gguf also quantizes
+BLOCK_FIELDS = {**SCALE_FIELDS, T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2)}
+
+
+def _calibration(blocks: np.ndarray, qtype: T) -> tuple[float, float]:
+    """(ratio, unit) of random ``blocks``: with every block's scale at 1 and its min (where the type has
+    one) at ``ratio``, gguf's dequantization has mean zero and standard deviation ``unit``."""
+    fields = BLOCK_FIELDS[qtype]
     fields = (fields,) if isinstance(fields, str) else fields
 
     def read(*scales):  # gguf's values with every block's scale fields set to ``scales``
         b = blocks.copy()
         for field, value in zip(fields, scales):
             _set_f16(b, field, np.full(len(b), value))
-        return gguf.quants.dequantize(b.reshape(w.shape[0], -1), qtype)
+        return gguf.quants.dequantize(b, qtype)
 
     ratio = read(1.0, 0.0).mean() / -read(0.0, 1.0).mean() if len(fields) == 2 else 0.0
-    unit = read(1.0, ratio).std()
-    factor = rng.uniform(0.5, 1.5, len(blocks)) * float(w.std()) / unit
-    for field, value in zip(fields, (1.0, ratio)):
+    return ratio, read(1.0, ratio).std()
+
+
+def _spread(blocks: np.ndarray, qtype: T, factor: np.ndarray, ratio: float) -> None:
+    fields = BLOCK_FIELDS[qtype]
+    for field, value in zip((fields,) if isinstance(fields, str) else fields, (1.0, ratio)):
         _set_f16(blocks, field, factor * value)
+
+
+def random_blocks(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
+    """Valid random ``qtype`` blocks for a tensor of ``w``'s shape: random bytes, with each block's
+    float16 scales set (a random factor in [0.5, 1.5] per block) so that gguf's dequantization has
+    ``w``'s standard deviation and, where the type has a min, mean zero."""
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(w.size // per, size), dtype=np.uint8)
+    ratio, unit = _calibration(blocks, qtype)
+    _spread(blocks, qtype, rng.uniform(0.5, 1.5, len(blocks)) * float(w.std()) / unit, ratio)
     return blocks.reshape(w.shape[0], -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _type_calibration(qtype: T) -> tuple[float, float]:
+    """:func:`_calibration` of 4096 random blocks: what any tensor of random ``qtype`` blocks has."""
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    return _calibration(np.random.default_rng(0).integers(0, 256, size=(4096, size), dtype=np.uint8), qtype)
+
+
+def random_tensor_blocks(shape: tuple, qtype: T, std: float, rng: np.random.Generator) -> np.ndarray:
+    """:func:`random_blocks` of a ``shape`` tensor with standard deviation ``std``, at any size: no
+    float32 values are made, and the scales come from the type's calibration on a sample.  Where the
+    type has no min, half the blocks' scales are negative: random codes of Q4_0 or Q8_0 average half a
+    step below zero, a bias every row would share."""
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(int(np.prod(shape, dtype=np.int64)) // per, size), dtype=np.uint8)
+    ratio, unit = _type_calibration(qtype)
+    factor = rng.uniform(0.5, 1.5, len(blocks)) * std / unit
+    if ratio == 0.0:
+        factor *= rng.choice(np.array([-1.0, 1.0]), len(blocks))
+    _spread(blocks, qtype, factor, ratio)
+    return blocks.reshape(shape[0], -1)
 
 
 def q4_k(w: np.ndarray) -> np.ndarray:
@@ -434,3 +473,68 @@ def write_gguf(folder: Path, out: Path, qtype="F32", *, meta_edits: dict | None 
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# A Llama 2 7B's sizes, for write_random_gguf: 6.7e9 weights, 3.5 GiB in Q4_0
+LLAMA2_7B = dict(hidden=4096, ffn=11008, layers=32, heads=32, kv_heads=32, vocab=32000, tied=False)
+
+
+def write_random_gguf(path: Path, *, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int, vocab: int,
+                      tied: bool, qtype="Q4_0", rope_base: float = 10000.0, context: int = 2048,
+                      seed: int = 0) -> Path:
+    """A Llama-architecture GGUF of these sizes with random weights, written tensor by tensor: each
+    matrix is drawn straight as ``qtype`` blocks (:func:`random_tensor_blocks`, with the spreads
+    of slotinfer's tiny models), so a 7B-shaped file takes the memory of its largest tensor, never
+    of its float32 weights.  Norms are F32 ones; the tokenizer is the tiny Llama model's, padded to
+    ``vocab`` with ``[PADn]`` tokens.  ``qtype``: a type name or a function (GGUF name, data) -> type
+    as for :func:`write_gguf` (its data: zeros of the tensor's shape); ``tied``: no output matrix."""
+    from slotinfer.testing.weights import EMBED_STD, LINEAR_GAIN, OUT_GAIN, QK_GAIN
+
+    hd = hidden // heads
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if not tied:
+        shapes["output.weight"] = (vocab, hidden)
+    for i in range(layers):
+        for name, s in (("attn_norm", (hidden,)), ("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * hd, hidden)),
+                        ("attn_v", (kv_heads * hd, hidden)), ("attn_output", (hidden, hidden)),
+                        ("ffn_norm", (hidden,)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                        ("ffn_down", (hidden, ffn))):
+            shapes[f"blk.{i}.{name}.weight"] = s
+    choose = qtype if callable(qtype) else (lambda n, w: T[qtype] if w.ndim == 2 else T.F32)
+    types = {name: choose(name, np.broadcast_to(np.float32(0), s)) for name, s in shapes.items()}
+
+    def std(name: str) -> float:
+        if name == "token_embd.weight":
+            return EMBED_STD
+        gain = QK_GAIN if ".attn_q." in name or ".attn_k." in name else \
+            OUT_GAIN if ".attn_output." in name or ".ffn_down." in name else LINEAR_GAIN
+        return gain / shapes[name][1] ** 0.5
+
+    meta = {"block_count": layers, "context_length": context, "embedding_length": hidden,
+            "feed_forward_length": ffn, "attention.head_count": heads, "attention.head_count_kv": kv_heads,
+            "attention.key_length": hd, "attention.value_length": hd, "rope.dimension_count": hd,
+            "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": float(rope_base)}
+    with tempfile.TemporaryDirectory() as tmp:  # the tiny model's folder, for its tokenizer
+        tok = make_tiny_model("llama", Path(tmp))
+        meta = {"general.name": "random-llama", **{f"llama.{k}": v for k, v in meta.items()},
+                **tokenizer_metadata(tok, vocab, gemma=False)}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    add_metadata(writer, meta)
+    for name, s in shapes.items():  # the tensor table first; the data follows in the same order
+        if types[name] == T.F32:
+            writer.add_tensor_info(name, s, np.dtype(np.float32), 4 * int(np.prod(s)))
+        else:
+            per, size = gguf.GGML_QUANT_SIZES[types[name]]
+            writer.add_tensor_info(name, (s[0], s[1] // per * size), np.dtype(np.uint8), s[0] * s[1] // per * size,
+                                   raw_dtype=types[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, s in shapes.items():
+        if types[name] == T.F32:
+            writer.write_tensor_data(np.ones(s, dtype=np.float32))
+        else:
+            writer.write_tensor_data(random_tensor_blocks(s, types[name], std(name), rng))
+    writer.close()
+    return path

@@ -21,7 +21,8 @@ from slotinfer import device
 from slotinfer.cpu import blas as _blas
 from slotinfer.cpu import fastmath
 from slotinfer.cpu.ops import MLX_OPS, Ops, cpu_ops
-from slotinfer.models.transformer import attend, attend_split
+from slotinfer.models.config import Rope
+from slotinfer.models.transformer import RoPE, attend, attend_split
 
 # Both forms of the polynomial: Estrin's (the softmax's) and Horner's (the activations').
 EXPS = [mx.compile(fastmath.exp), mx.compile(lambda x: fastmath.exp(x, estrin=False))]
@@ -192,3 +193,29 @@ def test_rms_norm_of_other_dtypes_is_mlx_rms_norm():
     got, want = fastmath.rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6)
     assert got.dtype == mx.bfloat16 and np.array_equal(np.asarray(got.astype(mx.float32)),
                                                       np.asarray(want.astype(mx.float32)))
+
+
+ROPES = [Rope(theta=10000.0), Rope(theta=1e6), Rope(theta=10000.0, type="linear", factor=4.0),
+         Rope(theta=500000.0, type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=8192)]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("rope", ROPES, ids=["default", "base_1e6", "linear", "llama3"])
+@given(b=st.integers(1, 4), heads=st.integers(1, 6), partial=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_with_shared_tables_is_mlx_rope_bit_for_bit(compiled, rope, b, heads, partial, seed):
+    """A decode step's layers share their cosines and sines (the CPU policy's ``shared_rope``):
+    every layer's rotation is still ``mx.fast.rope``'s, bit for bit, at any position."""
+    D = 64
+    layer = RoPE(rope, 32 if partial else D)
+    rng = np.random.default_rng(seed)
+    xs = [mx.array(rng.standard_normal((b, heads, 1, D)).astype(np.float32)) for _ in range(3)]
+    offset = mx.array(rng.integers(0, 200_000, size=b).astype(np.int32))
+
+    def both(offset, *xs):
+        tables = {}  # one step: three layers share it
+        return [layer(x, offset, tables) for x in xs] + [layer(x, offset) for x in xs]
+
+    out = (mx.compile(both) if compiled else both)(offset, *xs)
+    for shared, own in zip(out[:3], out[3:]):
+        assert np.array_equal(np.array(shared), np.array(own))

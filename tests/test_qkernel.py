@@ -62,10 +62,11 @@ def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
 
 
 @built
-@given(qtype=st.sampled_from(FORMATS), m=st.integers(2, 80), seed=st.integers(0, 2**16),
-       threads=st.sampled_from([1, 2, 3]))
+@given(qtype=st.sampled_from(FORMATS), m=st.one_of(st.integers(2, 5), st.integers(2, 80)),
+       seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2, 3]))
 def test_batch_invariant(kernels, qtype, m, seed, threads):
-    """A row's result is bit-identical whatever the number of rows, their values, and the thread count."""
+    """A row's result is bit-identical whatever the number of rows, their values, and the thread count
+    (a few rows, which skip the decoded panel, drawn as often as any count)."""
     n, k = 37, 320  # k: more blocks than a row tile takes at a time; m: up to more rows than a panel serves
     b, _ = blocks(qtype, n, k, seed)
     rng = np.random.default_rng(seed + 1)
@@ -100,6 +101,29 @@ def test_in_a_compiled_graph_with_leading_axes():
     ref = (2.0 * x.astype(np.float64)) @ wd.T + 1.0
     assert out.shape == (2, 3, 48)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@built
+@pytest.mark.parametrize("compiled", [False, True])
+def test_strided_inputs_give_the_contiguous_result(compiled):
+    """Transposed, sliced or broadcast activations and a strided weight are read as their values
+    (the primitive packs them when it runs), bit for bit what their contiguous copies give."""
+    b, _ = blocks("Q8_0", 24, 96, 3)
+    rng = np.random.default_rng(4)
+    xt = rng.standard_normal((96, 5)).astype(np.float32)  # x = xt.T: a transposed view
+    wide = np.concatenate([b, b[::-1]], axis=1)  # w = wide[:, :cols]: rows of blocks a stride apart
+    row = rng.standard_normal((1, 96)).astype(np.float32)
+
+    def views(xt, wide, row):
+        w = wide[:, : b.shape[1]]
+        return [qkernel.qlinear(xt.T, w, "q8_0"), qkernel.qlinear(xt.T[1:4], w[::2], "q8_0"),
+                qkernel.qlinear(mx.broadcast_to(row, (3, 96)), w, "q8_0")]
+
+    run = mx.compile(views) if compiled else views
+    got = [np.array(a) for a in run(mx.array(xt), mx.array(wide), mx.array(row))]
+    assert np.array_equal(got[0], qlinear(np.ascontiguousarray(xt.T), b, "Q8_0"))
+    assert np.array_equal(got[1], qlinear(np.ascontiguousarray(xt.T[1:4]), np.ascontiguousarray(b[::2]), "Q8_0"))
+    assert np.array_equal(got[2], qlinear(np.repeat(row, 3, axis=0), b, "Q8_0"))
 
 
 @built

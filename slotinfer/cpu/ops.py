@@ -7,8 +7,9 @@ device it runs on; :func:`slotinfer.device.model_ops` picks one per device:
   GPU policy, where they are fast.
 * :func:`cpu_ops` -- :mod:`.fastmath`'s exp-based activations, softmax and RMSNorm, written
   as fused MLX arithmetic because MLX's x86 CPU ``exp`` runs element by element through
-  libm; and a decode step's attention split over concurrent CPU streams, because one core
-  cannot read every slot's K/V at the memory's speed.
+  libm; a decode step's attention split over concurrent CPU streams, because one core
+  cannot read every slot's K/V at the memory's speed; and rope's cosines and sines made
+  once per decode step instead of once per layer.
 
 Both compute the same functions (``tests/test_fastmath.py`` holds them to float32
 tolerance); they differ in speed only.
@@ -36,7 +37,9 @@ class Ops:
     ``exp(x - max(x))``, when set, lets a long prefill's attention normalize after its
     value product (see ``attend``); ``fused_attention``: MLX's fused kernel serves
     attention without soft-capping; ``attention_streams``: concurrent streams a decode
-    step's attention is split over (1: none).
+    step's attention is split over (1: none); ``shared_rope``: a decode step's layers share
+    their rope cosines and sines (where ``mx.fast.rope`` is a composition of ops that makes
+    them anew in each layer; see ``transformer.RoPE``).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Ops:
     shifted_exp: Callable | None = None
     fused_attention: bool = True
     attention_streams: int = 1
+    shared_rope: bool = False
 
 
 def _gelu_arg(g):  # gelu_tanh(g) = 0.5 g (1 + tanh(a))
@@ -88,4 +92,4 @@ def cpu_ops(attention_streams: int = 1) -> Ops:
     """The CPU's own kernels (see the module docstring)."""
     return Ops("cpu", rms_norm=fastmath.rms_norm, silu_mul=_own_silu_mul, gelu_tanh_mul=_own_gelu_tanh_mul,
                softmax=_own_softmax, shifted_exp=_own_shifted_exp, fused_attention=False,
-               attention_streams=attention_streams)
+               attention_streams=attention_streams, shared_rope=True)

@@ -60,8 +60,19 @@ def write_index(blocks, offsets, *, kv_heads: int, block_size: int, head_dim: in
     return (cols[..., None] * d + mx.arange(d, dtype=dt)).reshape(-1)
 
 
+def block_index(tables, kv_heads: int):
+    """``(lhs, rhs, each)`` of :func:`paged_attend`'s two products for ``tables`` [B, nblk]: the
+    query rows and the pool matrix each (row, head, block) multiplies, the pool viewed as
+    ``[blocks * kv_heads, bs, D]``, and the weight rows of the second (one each).  The same for
+    every layer of a step, so a view makes them once (:class:`PagedDecodeView`)."""
+    rhs = tables.astype(mx.uint32)[:, None, :] * kv_heads + mx.arange(kv_heads, dtype=mx.uint32)[None, :, None]
+    lhs = mx.broadcast_to(mx.arange(tables.shape[0] * kv_heads, dtype=mx.uint32).reshape(-1, kv_heads, 1),
+                          rhs.shape)
+    return lhs, rhs, mx.arange(rhs.size, dtype=mx.uint32)
+
+
 def paged_attend(q, pool_keys, pool_values, tables, scale: float, mask, softcap: float | None,
-                 ops: Ops = MLX_OPS, split: int = 1):
+                 ops: Ops = MLX_OPS, split: int = 1, index=None):
     """Softmax attention of ``q`` [B, H, L, D] over the blocks ``tables`` [B, nblk] (int32) of a
     layer's pools ``[num_blocks, kv_heads, bs, D]``: keys at logical positions ``0 .. nblk*bs-1``.
 
@@ -69,14 +80,15 @@ def paged_attend(q, pool_keys, pool_values, tables, scale: float, mask, softcap:
     positions, as a decode view gives ``attend`` (a row's length and window); without one, every
     position of every block is attended.  ``split`` > 1 divides the rows over that many
     concurrent CPU streams, as ``attend_split`` does (each part is exactly what the whole
-    computes for those rows).  Returns [B, H, L, D] in ``q``'s dtype.
+    computes for those rows).  ``index``: :func:`block_index` of ``tables``, where the caller
+    has it (used when the rows are not split).  Returns [B, H, L, D] in ``q``'s dtype.
 
         >>> out = paged_attend(q, pool_k, pool_v, tables, D ** -0.5, mask, None, device.model_ops())
     """
     B = q.shape[0]
     n = min(split, B)
     if n < 2:
-        return _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops)
+        return _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops, index)
     cuts = [B * i // n for i in range(n + 1)]
     per_row = isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[0] == B
     outs = []
@@ -87,7 +99,7 @@ def paged_attend(q, pool_keys, pool_values, tables, scale: float, mask, softcap:
     return mx.concatenate(outs, axis=0)
 
 
-def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops):
+def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops, index=None):
     B, H, L, D = q.shape
     _, kvh, bs, _ = pool_keys.shape
     rep, nblk = H // kvh, tables.shape[1]
@@ -100,10 +112,9 @@ def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops):
         pool_keys = mx.take(pool_keys, tables.reshape(-1), axis=0).astype(q.dtype)
         pool_values = mx.take(pool_values, tables.reshape(-1), axis=0).astype(q.dtype)
         tables = mx.arange(B * nblk, dtype=mx.uint32).reshape(B, nblk)
+        index = None  # the rows' blocks, renumbered
     kf, vf = pool_keys.reshape(-1, bs, D), pool_values.reshape(-1, bs, D)
-    # (row, head, block) -> the block's matrix of that head in the pool viewed as [blocks * kvh, bs, D]
-    rhs = tables.astype(mx.uint32)[:, None, :] * kvh + mx.arange(kvh, dtype=mx.uint32)[None, :, None]
-    lhs = mx.broadcast_to(mx.arange(B * kvh, dtype=mx.uint32).reshape(B, kvh, 1), rhs.shape)
+    lhs, rhs, each = index if index is not None else block_index(tables, kvh)
     s = mx.gather_mm((q * scale).reshape(B * kvh, rep * L, D), kf.swapaxes(-1, -2), lhs, rhs)  # [B, kvh, nblk, rep*L, bs]
     s = s.reshape(B, kvh, nblk, rep, L, bs).transpose(0, 1, 3, 4, 2, 5).reshape(B, kvh, rep, L, nblk * bs)
     if softcap is not None:
@@ -112,7 +123,7 @@ def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops):
         s = mx.where(mask if mask.ndim < 4 else mx.expand_dims(mask, 2), s, -mx.inf)
     p = ops.softmax(s)
     p = p.reshape(B, kvh, rep, L, nblk, bs).transpose(0, 1, 4, 2, 3, 5).reshape(B * kvh * nblk, rep * L, bs)
-    o = mx.gather_mm(p, vf, None, rhs.reshape(-1)).reshape(B, kvh, nblk, rep * L, D)
+    o = mx.gather_mm(p, vf, each, rhs.reshape(-1)).reshape(B, kvh, nblk, rep * L, D)
     out = o[:, :, 0]
     for j in range(1, nblk):  # a fixed chain in block order: trailing ZERO blocks add exact zeros
         out = out + o[:, :, j]
@@ -131,9 +142,11 @@ class PagedKV:
     keys: mx.array  # [num_blocks, kv_heads, bs, head_dim]
     values: mx.array
     tables: mx.array  # [B, nblk] int32
+    index: tuple | None = None  # block_index(tables, kv_heads), made once for every layer
 
     def attend(self, q, scale: float, mask, softcap: float | None, ops: Ops = MLX_OPS, split: int = 1):
-        return paged_attend(q, self.keys, self.values, self.tables, scale, mask, softcap, ops, split)
+        return paged_attend(q, self.keys, self.values, self.tables, scale, mask, softcap, ops, split,
+                            self.index)
 
 
 class PagedDecodeView:
@@ -152,11 +165,15 @@ class PagedDecodeView:
         self.index, self.offset, self.tables, self.mask_pos = index, offset, tables, mask_pos
         self.span = tables.shape[1] * pool_keys[0].shape[2]
         self._masks = {}
+        self.rope_tables = {}  # the step's rope cosines and sines, made once for every layer
+        self._blocks = None  # block_index of the tables, made once for every layer
 
     def update(self, layer, k, v):
         self.keys[layer] = scatter(self.keys[layer], self.index, k)
         self.values[layer] = scatter(self.values[layer], self.index, v)
-        return PagedKV(self.keys[layer], self.values[layer], self.tables), None
+        if self._blocks is None:
+            self._blocks = block_index(self.tables, k.shape[1])
+        return PagedKV(self.keys[layer], self.values[layer], self.tables, self._blocks), None
 
     def mask(self, layer, L, window):
         if (L, window) not in self._masks:

@@ -13,6 +13,7 @@ Attention context protocol::
                                        # (k, v), or (paged, None) where paged.attend(q, scale, mask, softcap,
                                        # ops, split) attends over K/V kept in blocks
     ctx.mask(layer, L, window)         # None, "causal", or a bool mask broadcastable to [B, 1, L, S]
+    ctx.rope_tables                    # optional: a dict the layers of one decode step share (see RoPE)
 
 Projections are fused at load time (q|k|v into ``qkv_proj``, gate|up into
 ``gate_up_proj``): fewer, larger matmuls keep the BLAS busy on CPU.  So are Qwen 3's and
@@ -78,7 +79,35 @@ class RoPE(nn.Module):
             # may run on another thread (the Inferencer's worker), where that stream does not exist.
             mx.eval(self._freqs)
 
-    def __call__(self, x, offset):
+    def __call__(self, x, offset, tables: dict | None = None):
+        """``x`` [B, heads, L, D] rotated at positions ``offset`` + 0..L-1.
+
+        ``tables``: a dict the layers of one decode step share (the CPU policy's decode views:
+        ``ctx.rope_tables``).  Off the GPU, ``mx.fast.rope`` is a composition of MLX ops whose
+        cosines and sines, the same in every layer, would be made again by each; here they are
+        made once per step, by ``mx.fast.rope`` itself (of a probe whose first half is ones and
+        second half zeros: ``1 * cos - 0 * sin``, ``1 * sin + 0 * cos``), and each layer applies
+        them with the expressions ``mx.fast.rope`` uses, the same values bit for bit
+        (tests/test_fastmath.py).
+        """
+        if tables is None or x.shape[2] != 1:
+            return self._rope(x, offset)
+        half = self.dims // 2
+        key = (self.dims, self.base, self.scale, id(self._freqs))
+        if key not in tables:
+            rows = offset.size if isinstance(offset, mx.array) else 1
+            probe = mx.broadcast_to(mx.concatenate([mx.ones((half,)), mx.zeros((self.dims - half,))]),
+                                    (rows, 1, 1, self.dims)).astype(x.dtype)
+            r = self._rope(probe, offset)
+            tables[key] = (r[..., :half], r[..., half:])
+        cos, sin = tables[key]
+        x1, x2 = x[..., :half], x[..., half:self.dims]
+        outs = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+        if self.dims < x.shape[-1]:
+            outs.append(x[..., self.dims:])
+        return mx.concatenate(outs, axis=-1)
+
+    def _rope(self, x, offset):
         if self._freqs is not None:
             return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self._freqs)
         return mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale, offset=offset)
@@ -190,7 +219,8 @@ class Attention(nn.Module):
         qk = qk.reshape(B, L, heads, self.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = self.rope(qk.transpose(0, 2, 1, 3), ctx.offset)
+        tables = getattr(ctx, "rope_tables", None) if self.ops.shared_rope else None
+        qk = self.rope(qk.transpose(0, 2, 1, 3), ctx.offset, tables)
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
         v = v.reshape(B, L, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         k, v = ctx.update(self.layer, k, v)

@@ -10,7 +10,8 @@
 // are decoded once to float32 weights (d * q exactly; d * q + m rounded once for Q4_1: the scales
 // are applied here, never in the loop over rows) into a small buffer, and every row of x then
 // meets the buffer in tiles of R rows x C columns whose R * C accumulators stay in registers.
-// A single row skips the buffer: each block goes from its decoding straight to the row's sums.
+// A single row skips the buffer: each block goes from its decoding straight to the row's sums
+// (with AVX-512, up to 4 rows do).
 //
 // Order of the sum (the batch-invariance contract): out[r, j] has one V-lane float32 accumulator
 // (V = 8 with AVX2, 16 with AVX-512, 8 portably); for each block b in order, the block's 32 / V
@@ -345,31 +346,35 @@ QK_AVX512 inline void tile_avx512(const float* wp, const float* x, int k, int b0
   }
 }
 
-// One row: each decoded block meets x straight from registers, with the multiply-adds of the
-// panel path in the same order (the same sums, bit for bit).
-template <Format F, int C>
-QK_AVX512 void row_avx512(const Job& job) {
+// Up to 4 rows: each decoded block meets the rows of x straight from registers, with the
+// multiply-adds of the panel path in the same order (the same sums, bit for bit).  R rows x C
+// columns of accumulators and the C decoded columns fit the 32 registers.
+template <Format F, int C, int R>
+QK_AVX512 void rows_avx512(const Job& job) {
   const int nb = job.k / BLOCK, bb = block_bytes(F);
   const size_t row_bytes = (size_t)nb * bb;
   int j = job.j0;
   for (; j + C <= job.j1; j += C) {
-    __m512 acc[C];
-    for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) {
       __m512 w[C][2];
       for (int c = 0; c < C; ++c) decode_avx512<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
-      for (int s = 0; s < 2; ++s) {
-        __m512 xv = _mm512_loadu_ps(job.x + b * BLOCK + 16 * s);
-        for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w[c][s], xv, acc[c]);
-      }
+      for (int s = 0; s < 2; ++s)
+        for (int r = 0; r < R; ++r) {
+          __m512 xv = _mm512_loadu_ps(job.x + (size_t)r * job.k + b * BLOCK + 16 * s);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(w[c][s], xv, acc[r][c]);
+        }
     }
-    for (int c = 0; c < C; ++c) job.out[j + c] = avx512_reduce(acc[c]);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) job.out[(size_t)r * job.n + j + c] = avx512_reduce(acc[r][c]);
   }
   if constexpr (C > 1) {
     if (j < job.j1) {
       Job rest = job;
       rest.j0 = j;
-      row_avx512<F, 1>(rest);
+      rows_avx512<F, 1, R>(rest);
     }
   }
 }
@@ -378,7 +383,12 @@ QK_AVX512 void row_avx512(const Job& job) {
 // blocks so that a chunk of the panel and of R rows of x stay in L1 while the rows go by.
 template <Format F, int C>
 QK_AVX512 void panels_avx512(const Job& job, std::vector<float>& buf) {
-  if (job.m == 1) return row_avx512<F, C>(job);
+  switch (job.m) {  // a few rows skip the buffer
+    case 1: return rows_avx512<F, C, 1>(job);
+    case 2: return rows_avx512<F, C, 2>(job);
+    case 3: return rows_avx512<F, C, 3>(job);
+    case 4: return rows_avx512<F, C, 4>(job);
+  }
   const int nb = job.k / BLOCK, bb = block_bytes(F), k = job.k;
   const size_t row_bytes = (size_t)nb * bb;
   buf.resize((size_t)k * C + (size_t)job.m * C * 16);

@@ -130,6 +130,37 @@ void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int 
   g_pool->run(threads, share);
 }
 
+// An input as the kernel reads it: row-contiguous data in place (activations and parameters are), or
+// else packed at run time into `buf`, so that the graph needs no copy node in front of each product.
+template <class T>
+struct Operand {
+  const T* base;
+  std::vector<int64_t> shape, strides;
+  bool dense;
+  size_t size;
+
+  explicit Operand(const mx::array& a)
+      : base(a.data<T>()), shape(a.shape().begin(), a.shape().end()),
+        strides(a.strides().begin(), a.strides().end()), dense(a.flags().row_contiguous), size(a.size()) {}
+
+  const T* packed(std::vector<T>& buf) const {
+    if (dense || size == 0) return base;
+    buf.resize(size);
+    std::vector<int64_t> at(shape.size(), 0);
+    int64_t off = 0;
+    for (size_t i = 0; i < size; ++i) {
+      buf[i] = base[off];
+      for (int d = (int)shape.size() - 1; d >= 0; --d) {  // the next index, last axis fastest
+        off += strides[d];
+        if (++at[d] < shape[d]) break;
+        off -= strides[d] * shape[d];
+        at[d] = 0;
+      }
+    }
+    return buf.data();
+  }
+};
+
 class QuantizedLinear : public mx::Primitive {
  public:
   QuantizedLinear(mx::Stream s, qk::Format f) : mx::Primitive(s), format_(f) {}
@@ -145,8 +176,10 @@ class QuantizedLinear : public mx::Primitive {
     enc.set_output_array(out);
     int k = x.shape(-1), n = w.shape(0);
     int m = (int)(x.size() / std::max(k, 1));
-    enc.dispatch([f = format_, xp = x.data<float>(), wp = w.data<uint8_t>(), op = out.data<float>(), m, k, n]() {
-      run(f, xp, wp, op, m, k, n);
+    enc.dispatch([f = format_, xs = Operand<float>(x), ws = Operand<uint8_t>(w), op = out.data<float>(), m, k, n]() {
+      thread_local std::vector<float> xbuf;
+      thread_local std::vector<uint8_t> wbuf;
+      run(f, xs.packed(xbuf), ws.packed(wbuf), op, m, k, n);
     });
   }
 
@@ -184,8 +217,7 @@ mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& for
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("qlinear runs on the CPU only");
   mx::Shape shape = x.shape();
   shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedLinear>(stream, f),
-                   {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedLinear>(stream, f), {x, w});
 }
 
 }  // namespace

