@@ -108,3 +108,19 @@ def test_the_inferencer_serves_more_requests_than_its_pool_holds_at_once(models)
         stats = inf.stats()
     assert stats["preempted"] >= 1
     assert [g.tokens for g in got] == [m.generate(p, max_tokens=40, ignore_eos=True).tokens for p in prompts]
+
+
+def test_constrained_requests_preempted_resume_within_their_constraint(models):
+    """A constrained request preempted mid-output resumes with its matcher where it was: the first
+    token after its recompute is masked by what it already produced, and the output is its solo run's."""
+    m = models["llama"]
+    engine = _engine(m, blocks=2, slots=2)
+    kinds = [dict(regex="[a-z ]{40,80}"), dict(regex="[0-9]{30,70}")]
+    items = [engine.make_item(_prompt(i, 110), max_tokens=60, **kinds[i]) for i in range(2)]
+    for it in items:
+        engine.add(it)
+    engine.run_until_done()
+    assert engine.counters["preempted"] >= 1
+    for i, it in enumerate(items):
+        got, want = it.handle.result(0), m.generate(_prompt(i, 110), max_tokens=60, **kinds[i])
+        assert (got.tokens, got.text) == (want.tokens, want.text)
