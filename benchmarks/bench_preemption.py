@@ -22,11 +22,12 @@ import time
 import slotinfer  # first: installs the BLAS before mlx.core loads
 from slotinfer import default_model
 from slotinfer.engine import Engine
+from slotinfer.kv import KV_BLOCK_SIZE, block_bytes
 
 
 def run(model, prompts, max_tokens: int, blocks: int):
     eng = Engine(model, slots=len(prompts), max_len=max(map(len, prompts)) + max_tokens,
-                 kv_cache_bytes=(blocks + 2) * _block_bytes(model), prefix_cache_bytes=0)
+                 kv_cache_bytes=(blocks + 2) * _block_bytes(model), prefix_cache_bytes=0)  # 2 reserved
     items = [eng.make_item(p, max_tokens=max_tokens, ignore_eos=True) for p in prompts]
     t0 = time.perf_counter()
     for it in items:
@@ -38,7 +39,8 @@ def run(model, prompts, max_tokens: int, blocks: int):
 
 def _block_bytes(model) -> int:
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * 128 * c.head_dim * 4
+    return block_bytes(num_layers=c.num_layers, kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=model.dtype,
+                       block_size=KV_BLOCK_SIZE)
 
 
 def main():
@@ -53,7 +55,7 @@ def main():
     model = slotinfer.load(a.model or default_model.path())
     rng = random.Random(0)
     prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(a.prompt_tokens)] for _ in range(a.requests)]
-    per = lambda n: -(-n // 128)  # noqa: E731
+    per = lambda n: -(-n // KV_BLOCK_SIZE)  # noqa: E731
     tight = a.requests * per(a.prompt_tokens + 1) + a.spare
     ample = a.requests * per(a.prompt_tokens + a.max_tokens)
     run(model, prompts[:2], 4, ample)  # compile outside the timing

@@ -326,9 +326,8 @@ class Engine:
         """
         if not self.items.running():
             return None
-        self._make_room(firsts)
+        needed = self._make_room(firsts)
         running = self.items.running()
-        needed = [it for it in running if it.issued < it.max_tokens and it.in_step]
         if not needed and not firsts:
             return None
         first_set, needed_set = {id(it) for it in firsts}, {id(it) for it in needed}
@@ -362,8 +361,9 @@ class Engine:
             self.counters["occupancy"] += len(needed)
         return issued
 
-    def _make_room(self, firsts: list[Item]):
-        """Give each row the decode step computes the block its token is written to.
+    def _make_room(self, firsts: list[Item]) -> list[Item]:
+        """Give each row the decode step computes the block its token is written to; returns those
+        items (running, short of ``max_tokens``, with every token issued for them on the host).
 
         When the free blocks fall short, the step in flight is read back first (the items it
         finishes give theirs back); then the newest request in a slot is preempted (back to the
@@ -377,7 +377,7 @@ class Engine:
             tokens = [int(table.lengths[s]) + 1 for s in slots]
             if not table.short(slots, tokens):
                 table.hold(slots, tokens)
-                return
+                return needed
             if self._pending is not None:
                 previous, self._pending = self._pending, None
                 self._process(previous)

@@ -299,11 +299,10 @@ def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict,
     kind = t.name.rsplit(".", 1)[1]
     count = int(np.prod(t.shape, dtype=np.int64))
     if blocks and t.type in _BLOCK_FORMATS and kind == "weight" and len(t.shape) == 2:
-        per_block, block_bytes = t.block
-        raw = np.fromfile(path, dtype=np.uint8, count=count // per_block * block_bytes, offset=t.offset)
-        _check_finite(path, t, _block_scales(raw, t.type, block_bytes))
+        raw = _raw_blocks(path, t)
+        _check_finite(path, t, _block_scales(raw, t.block[1], 2 if t.type == 3 else 1))  # Q4_1: d and m
         quant[module] = {"format": _BLOCK_FORMATS[t.type]}
-        return {kind: mx.array(raw.reshape(t.shape[0], -1))}
+        return {kind: mx.array(raw)}
     if t.type == _BF16:
         w = _bf16(path, t)
         _check_finite(path, t, np.array(w.astype(mx.float32)))
@@ -332,12 +331,10 @@ def _repacked(path: Path, t: TensorInfo, quant: dict, module: str) -> mx.array:
     from .cpu import repack
 
     if t.type == repack.Q4_K:
-        per_block, block_bytes = t.block
-        raw = np.fromfile(path, dtype=np.uint8, count=t.shape[0] * t.shape[1] // per_block * block_bytes,
-                          offset=t.offset).reshape(t.shape[0], -1)
-        _check_finite(path, t, raw.reshape(-1, block_bytes)[:, :4].copy().view("<f2"))
+        raw = _raw_blocks(path, t)
+        _check_finite(path, t, _block_scales(raw, t.block[1], 2))  # d and dmin
         out = repack.q4_k_to_q4_1(raw)
-        _check_finite(path, t, _block_scales(out, 3, 20))  # d * sc past float16's range
+        _check_finite(path, t, _block_scales(out, 20, 2))  # d * sc past float16's range
         quant[module] = {"format": "q4_1"}
         return mx.array(out)
     w = _dequantize(path, t)
@@ -346,10 +343,18 @@ def _repacked(path: Path, t: TensorInfo, quant: dict, module: str) -> mx.array:
     return mx.array(repack.to_q8_0(w))
 
 
-def _block_scales(raw: np.ndarray, kind: int, block_bytes: int) -> np.ndarray:
-    """The float16 scales (and Q4_1's minimums) of raw blocks: finite there, finite weights."""
-    per_block = raw.reshape(-1, block_bytes)
-    return per_block[:, :4 if kind == 3 else 2].copy().view("<f2")
+def _raw_blocks(path: Path, t: TensorInfo) -> np.ndarray:
+    """The file's bytes of a 2-D quantized tensor, ``uint8 [rows, k / values per block * block bytes]``."""
+    per_block, block_bytes = t.block
+    rows, k = t.shape
+    return np.fromfile(path, dtype=np.uint8, count=rows * (k // per_block) * block_bytes,
+                       offset=t.offset).reshape(rows, -1)
+
+
+def _block_scales(raw: np.ndarray, block_bytes: int, halves: int) -> np.ndarray:
+    """The ``halves`` float16 fields each raw block starts with (its scale, and a minimum where it has
+    one): finite there, finite weights."""
+    return raw.reshape(-1, block_bytes)[:, :2 * halves].copy().view("<f2")
 
 
 def _check_finite(path: Path, t: TensorInfo, w: np.ndarray) -> None:

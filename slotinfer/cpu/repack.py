@@ -29,7 +29,7 @@ def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
     b = raw.reshape(-1, Q4_K_BYTES)
     d = b[:, 0:2].copy().view("<f2").astype(np.float32)  # [n, 1]
     dmin = b[:, 2:4].copy().view("<f2").astype(np.float32)
-    s = b[:, 4:16].astype(np.uint8)
+    s = b[:, 4:16]
     sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1)  # [n, 8]
     mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
     scale = (d * sc).astype(np.float16)
