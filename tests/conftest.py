@@ -17,6 +17,26 @@ settings.register_profile(
 settings.load_profile("ci")
 
 
+def _loop_sets():
+    """The native extension's loop sets this CPU runs (none where it is not built)."""
+    from slotinfer.cpu import qkernel
+
+    module = qkernel.load()
+    names = ["portable", "avx2", "avx512"]
+    return names[:names.index(module.best_kernels()) + 1] if module else []
+
+
+@pytest.fixture(params=_loop_sets())
+def kernels(request):
+    """Each loop set of slotinfer's native extension in turn (tests/test_qkernel.py, test_decode_ops.py)."""
+    from slotinfer.cpu import qkernel
+
+    module = qkernel.load()
+    module.set_kernels(request.param)
+    yield request.param
+    module.set_kernels(module.best_kernels())
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")

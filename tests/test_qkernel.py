@@ -24,15 +24,6 @@ module = qkernel.load()
 built = pytest.mark.skipif(module is None, reason=f"the qkernel extension is {qkernel.status()}")
 
 FORMATS = list(qkernel.FORMATS)  # GGUF type names
-KERNELS = ["portable", "avx2", "avx512"]
-KERNELS = KERNELS[:KERNELS.index(module.best_kernels()) + 1] if module else []
-
-
-@pytest.fixture(params=KERNELS)
-def kernels(request):
-    module.set_kernels(request.param)
-    yield request.param
-    module.set_kernels(module.best_kernels())
 
 
 def blocks(qtype, n, k, seed):

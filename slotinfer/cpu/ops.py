@@ -9,7 +9,10 @@ device it runs on; :func:`slotinfer.device.model_ops` picks one per device:
   as fused MLX arithmetic because MLX's x86 CPU ``exp`` runs element by element through
   libm; a decode step's attention split over concurrent CPU streams, because one core
   cannot read every slot's K/V at the memory's speed; and rope's cosines and sines made
-  once per decode step instead of once per layer.
+  once per decode step instead of once per layer.  Where slotinfer's native extension is
+  built (:mod:`.qkernel`), RMSNorm, rope from a step's tables and a decode step's attention
+  over pool blocks are its primitives, one MLX node each where the ops above take five to
+  thirty-five: at one row a decode step's cost is MLX's cost per node.
 
 Both compute the same functions (``tests/test_fastmath.py`` holds them to float32
 tolerance); they differ in speed only.
@@ -17,6 +20,7 @@ tolerance); they differ in speed only.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -25,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .._compile import ThreadCompiled
-from . import fastmath
+from . import fastmath, qkernel
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,10 @@ class Ops:
     attention without soft-capping; ``attention_streams``: concurrent streams a decode
     step's attention is split over (1: none); ``shared_rope``: a decode step's layers share
     their rope cosines and sines (where ``mx.fast.rope`` is a composition of ops that makes
-    them anew in each layer; see ``transformer.RoPE``).
+    them anew in each layer; see ``transformer.RoPE``); ``rope_apply(x, cos, sin)``: those
+    tables applied to ``x`` [B, heads, 1, D], when set; ``paged_decode(q, keys, values,
+    tables, mask, scale, softcap)``: when set, the attention of one new token per row over pool
+    blocks (see :func:`slotinfer.kv.paged_attend`), float32.
     """
 
     name: str
@@ -51,6 +58,8 @@ class Ops:
     fused_attention: bool = True
     attention_streams: int = 1
     shared_rope: bool = False
+    rope_apply: Callable | None = None
+    paged_decode: Callable | None = None
 
 
 def _gelu_arg(g):  # gelu_tanh(g) = 0.5 g (1 + tanh(a))
@@ -88,8 +97,23 @@ _own_softmax = ThreadCompiled(fastmath.softmax)
 _own_shifted_exp = ThreadCompiled(fastmath.shifted_exp)
 
 
-def cpu_ops(attention_streams: int = 1) -> Ops:
-    """The CPU's own kernels (see the module docstring)."""
-    return Ops("cpu", rms_norm=fastmath.rms_norm, silu_mul=_own_silu_mul, gelu_tanh_mul=_own_gelu_tanh_mul,
-               softmax=_own_softmax, shifted_exp=_own_shifted_exp, fused_attention=False,
-               attention_streams=attention_streams, shared_rope=True)
+def cpu_ops(attention_streams: int = 1, native: bool = True) -> Ops:
+    """The CPU's own kernels (see the module docstring); ``native``: the extension's primitives
+    where it is built (else the fused MLX arithmetic serves alone)."""
+    module = qkernel.load() if native else None
+    ops = Ops("cpu", rms_norm=fastmath.rms_norm, silu_mul=_own_silu_mul, gelu_tanh_mul=_own_gelu_tanh_mul,
+              softmax=_own_softmax, shifted_exp=_own_shifted_exp, fused_attention=False,
+              attention_streams=attention_streams, shared_rope=True)
+    if module is None:
+        return ops
+
+    def rms_norm(x, weight, eps):
+        if x.dtype != mx.float32 or (weight is not None and weight.dtype != mx.float32):
+            return fastmath.rms_norm(x, weight, eps)
+        return module.rms_norm(x, weight, eps)
+
+    def paged_decode(q, keys, values, tables, mask, scale, softcap):
+        return module.paged_decode_attention(q, keys, values, tables.astype(mx.int32), mask, scale, softcap or 0.0)
+
+    return dataclasses.replace(ops, rms_norm=rms_norm, rope_apply=module.rope_apply,
+                               paged_decode=paged_decode)

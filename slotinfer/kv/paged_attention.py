@@ -113,6 +113,8 @@ def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops, index=
         pool_values = mx.take(pool_values, tables.reshape(-1), axis=0).astype(q.dtype)
         tables = mx.arange(B * nblk, dtype=mx.uint32).reshape(B, nblk)
         index = None  # the rows' blocks, renumbered
+    if ops.paged_decode is not None and L == 1 and q.dtype == pool_keys.dtype == mx.float32:
+        return ops.paged_decode(q, pool_keys, pool_values, tables, mask, scale, softcap).astype(out_dtype)
     kf, vf = pool_keys.reshape(-1, bs, D), pool_values.reshape(-1, bs, D)
     lhs, rhs, each = index if index is not None else block_index(tables, kvh)
     s = mx.gather_mm((q * scale).reshape(B * kvh, rep * L, D), kf.swapaxes(-1, -2), lhs, rhs)  # [B, kvh, nblk, rep*L, bs]

@@ -68,8 +68,9 @@ class HeadNorm(nn.Module):
 
 
 class RoPE(nn.Module):
-    def __init__(self, rope: Rope, dims: int):
+    def __init__(self, rope: Rope, dims: int, apply=None):
         super().__init__()
+        self._apply = apply  # Ops.rope_apply: the tables applied in one op, when the ops have it
         self.dims = dims
         self.base = rope.theta
         self.scale = 1.0 / rope.factor if rope.type == "linear" else 1.0
@@ -101,6 +102,8 @@ class RoPE(nn.Module):
             r = self._rope(probe, offset)
             tables[key] = (r[..., :half], r[..., half:])
         cos, sin = tables[key]
+        if self._apply is not None and x.dtype == mx.float32:
+            return self._apply(x, cos, sin)
         x1, x2 = x[..., :half], x[..., half:self.dims]
         outs = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
         if self.dims < x.shape[-1]:
@@ -204,7 +207,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         heads = cfg.num_heads + cfg.num_kv_heads
         self.qk_norm = HeadNorm(heads, cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
-        self.rope = RoPE(cfg.rope_for(layer), cfg.head_dim)
+        self.rope = RoPE(cfg.rope_for(layer), cfg.head_dim, ops.rope_apply)
         self.scale = cfg.scale
         self.softcap = cfg.attn_softcap
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None

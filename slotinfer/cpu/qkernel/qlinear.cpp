@@ -1,5 +1,6 @@
-// An MLX primitive for x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1), CPU only, its
-// thread pool, and the Python binding.  The loops are in qkernels.h.
+// MLX primitives for x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1), CPU only, its
+// thread pool, and the Python binding; and for a decode step's RMSNorm, rope from tables and paged
+// attention (one node each).  The loops are in qkernels.h and decode_ops.h.
 #include <pthread.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <chrono>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -14,11 +16,13 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "decode_ops.h"
 #include "qkernels.h"
 
 #ifndef QK_MLX_VERSION
@@ -159,6 +163,24 @@ struct Operand {
     }
     return buf.data();
   }
+
+  // For an input of another dtype seen as bytes: the same, an element being `width` bytes.
+  const void* packed_as(std::vector<uint8_t>& buf, int width) const {
+    if (dense || size == 0) return base;
+    buf.resize(size * width);
+    std::vector<int64_t> at(shape.size(), 0);
+    int64_t off = 0;
+    for (size_t i = 0; i < size; ++i) {
+      std::memcpy(buf.data() + i * width, reinterpret_cast<const uint8_t*>(base) + off * width, width);
+      for (int d = (int)shape.size() - 1; d >= 0; --d) {
+        off += strides[d];
+        if (++at[d] < shape[d]) break;
+        off -= strides[d] * shape[d];
+        at[d] = 0;
+      }
+    }
+    return buf.data();
+  }
 };
 
 class QuantizedLinear : public mx::Primitive {
@@ -204,6 +226,198 @@ class QuantizedLinear : public mx::Primitive {
   qk::Format format_;
 };
 
+// A primitive whose inputs are read as row-contiguous float32 (packed at run time when they are not)
+// and whose one float32 output is written by `fn(inputs, out)`.
+class Rowwise : public mx::Primitive {
+ public:
+  using Fn = std::function<void(const std::vector<const float*>&, const std::vector<const void*>&, float*)>;
+
+  explicit Rowwise(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string(name()) + " has no GPU kernel: MLX's own ops serve there");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {out_shape(inputs)}; }
+
+ protected:
+  virtual mx::Shape out_shape(const std::vector<mx::array>& inputs) const = 0;
+  // what runs on the stream's thread: float inputs (packed), other inputs (packed, as bytes), the output
+  virtual Fn body(const std::vector<mx::array>& inputs) const = 0;
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    mx::array& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    std::vector<Operand<float>> floats;
+    std::vector<Operand<uint8_t>> others;  // bool / int32 inputs, packed element by element in their width
+    std::vector<int> width;
+    for (auto& a : inputs) {
+      enc.set_input_array(a);
+      if (a.dtype() == mx::float32) {
+        floats.emplace_back(a);
+      } else {
+        others.emplace_back(a);
+        width.push_back((int)a.itemsize());
+      }
+    }
+    enc.set_output_array(out);
+    enc.dispatch([fn = body(inputs), floats = std::move(floats), others = std::move(others), width = std::move(width),
+                  op = out.data<float>()]() {
+      thread_local std::vector<std::vector<float>> fbuf;
+      thread_local std::vector<std::vector<uint8_t>> obuf;
+      fbuf.resize(std::max(fbuf.size(), floats.size()));
+      obuf.resize(std::max(obuf.size(), others.size()));
+      std::vector<const float*> fp;
+      std::vector<const void*> opp;
+      for (size_t i = 0; i < floats.size(); ++i) fp.push_back(floats[i].packed(fbuf[i]));
+      for (size_t i = 0; i < others.size(); ++i) opp.push_back(others[i].packed_as(obuf[i], width[i]));
+      fn(fp, opp, op);
+    });
+  }
+};
+
+class RmsNorm : public Rowwise {
+ public:
+  RmsNorm(mx::Stream s, float eps) : Rowwise(s), eps_(eps) {}
+  const char* name() const override { return "SlotinferRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const RmsNorm*>(&other);
+    return o && o->eps_ == eps_;
+  }
+
+ protected:
+  mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[0].shape(); }
+  Fn body(const std::vector<mx::array>& in) const override {
+    int n = in[0].shape(-1);
+    int64_t rows = in[0].size() / std::max(n, 1);
+    bool weighted = in.size() > 1;
+    float eps = eps_;
+    return [=](const std::vector<const float*>& f, const std::vector<const void*>&, float* out) {
+      qk::rms_norm_rows(f[0], weighted ? f[1] : nullptr, out, rows, n, eps);
+    };
+  }
+
+ private:
+  float eps_;
+};
+
+class RopeApply : public Rowwise {
+ public:
+  explicit RopeApply(mx::Stream s) : Rowwise(s) {}
+  const char* name() const override { return "SlotinferRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return dynamic_cast<const RopeApply*>(&other); }
+
+ protected:
+  mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[0].shape(); }
+  Fn body(const std::vector<mx::array>& in) const override {
+    int B = in[0].shape(0), H = in[0].shape(1), D = in[0].shape(3), half = in[1].shape(-1);
+    bool per_row = in[1].shape(0) != 1 || B == 1;
+    return [=](const std::vector<const float*>& f, const std::vector<const void*>&, float* out) {
+      qk::rope_rows(f[0], f[1], f[2], out, B, H, D, half, per_row);
+    };
+  }
+};
+
+class PagedDecodeAttention : public Rowwise {
+ public:
+  PagedDecodeAttention(mx::Stream s, float scale, float softcap) : Rowwise(s), scale_(scale), softcap_(softcap) {}
+  const char* name() const override { return "SlotinferPagedDecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const PagedDecodeAttention*>(&other);
+    return o && o->scale_ == scale_ && o->softcap_ == softcap_;
+  }
+
+ protected:
+  // inputs: q [B, H, 1, D], keys, values [num_blocks, kvh, bs, D], tables [B, nblk] int32,
+  // and optionally a bool mask [B or 1, ..., span]
+  mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[0].shape(); }
+  Fn body(const std::vector<mx::array>& in) const override {
+    qk::AttendJob j{};
+    j.B = in[0].shape(0);
+    j.H = in[0].shape(1);
+    j.D = in[0].shape(3);
+    j.kvh = in[1].shape(1);
+    j.bs = in[1].shape(2);
+    j.nblk = in[3].shape(1);
+    j.scale = scale_;
+    j.softcap = softcap_;
+    j.mask_per_row = in.size() > 4 && in[4].shape(0) != 1;
+    bool masked = in.size() > 4;
+    return [=](const std::vector<const float*>& f, const std::vector<const void*>& o, float* out) mutable {
+      j.q = f[0];
+      j.keys = f[1];
+      j.values = f[2];
+      j.tables = static_cast<const int32_t*>(o[0]);
+      j.mask = masked ? static_cast<const bool*>(o[1]) : nullptr;
+      j.out = out;
+      qk::attend_rows(j, 0, j.B);
+    };
+  }
+
+ private:
+  float scale_, softcap_;
+};
+
+mx::StreamOrDevice cpu_only(mx::StreamOrDevice s, const char* what) {
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) throw std::invalid_argument(std::string(what) + " runs on the CPU only");
+  return stream;
+}
+
+void need_f32(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(what) + " must be float32");
+}
+
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s) {
+  need_f32(x, "x");
+  if (x.ndim() < 1) throw std::invalid_argument("x must have at least one axis");
+  std::vector<mx::array> in{x};
+  if (w) {
+    need_f32(*w, "weight");
+    if (w->ndim() != 1 || w->shape(0) != x.shape(-1)) throw std::invalid_argument("weight must be [x.shape[-1]]");
+    in.push_back(*w);
+  }
+  auto stream = mx::to_stream(cpu_only(s, "rms_norm"));
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), std::move(in));
+}
+
+mx::array rope_apply(const mx::array& x, const mx::array& cos, const mx::array& sin, mx::StreamOrDevice s) {
+  need_f32(x, "x");
+  need_f32(cos, "cos");
+  need_f32(sin, "sin");
+  if (x.ndim() != 4 || x.shape(2) != 1) throw std::invalid_argument("x must be [B, heads, 1, D]");
+  if (cos.ndim() != 4 || cos.shape() != sin.shape() || (cos.shape(0) != 1 && cos.shape(0) != x.shape(0)) ||
+      cos.shape(1) != 1 || cos.shape(2) != 1 || 2 * cos.shape(3) > x.shape(3))
+    throw std::invalid_argument("cos and sin must be [B or 1, 1, 1, half] with 2 * half <= D");
+  auto stream = mx::to_stream(cpu_only(s, "rope_apply"));
+  return mx::array(x.shape(), mx::float32, std::make_shared<RopeApply>(stream), {x, cos, sin});
+}
+
+mx::array paged_decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
+                                 const mx::array& tables, const std::optional<mx::array>& mask, float scale,
+                                 float softcap, mx::StreamOrDevice s) {
+  need_f32(q, "q");
+  need_f32(keys, "keys");
+  need_f32(values, "values");
+  if (q.ndim() != 4 || q.shape(2) != 1) throw std::invalid_argument("q must be [B, heads, 1, D]");
+  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.shape(3) != q.shape(3) ||
+      q.shape(1) % keys.shape(1) != 0)
+    throw std::invalid_argument("keys and values must be [blocks, kv_heads, block_size, D], kv_heads dividing heads");
+  if (tables.dtype() != mx::int32 || tables.ndim() != 2 || tables.shape(0) != q.shape(0))
+    throw std::invalid_argument("tables must be int32 [B, blocks]");
+  std::vector<mx::array> in{q, keys, values, tables};
+  if (mask) {
+    int span = tables.shape(1) * keys.shape(2);
+    if (mask->dtype() != mx::bool_ || mask->shape(-1) != span || mask->size() % span != 0 ||
+        (mask->size() / span != 1 && mask->size() / span != (size_t)q.shape(0)))
+      throw std::invalid_argument("mask must be bool with one row of the tables' span for every row, or one for all");
+    in.push_back(*mask);
+  }
+  auto stream = mx::to_stream(cpu_only(s, "paged_decode_attention"));
+  return mx::array(q.shape(), mx::float32, std::make_shared<PagedDecodeAttention>(stream, scale, softcap), std::move(in));
+}
+
 mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, mx::StreamOrDevice s) {
   qk::Format f = parse_format(format);
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
@@ -226,6 +440,14 @@ NB_MODULE(_qkernel, m) {
   m.doc() = "slotinfer's quantized linear layer on CPU (GGUF Q8_0 / Q4_0 / Q4_1 blocks)";
   m.def("qlinear", &qlinear, "x"_a, "w"_a, "format"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequant(w).T for w [n, k/32 blocks] in GGUF blocks (q8_0, q4_0, q4_1); float32 out");
+  m.def("rms_norm", &rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x * (1 / sqrt(mean(x^2) + eps)) * weight over the last axis, float32 (weight may be None)");
+  m.def("rope_apply", &rope_apply, "x"_a, "cos"_a, "sin"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "rope of x [B, heads, 1, D] from tables cos, sin [B or 1, 1, 1, half]");
+  m.def("paged_decode_attention", &paged_decode_attention, "q"_a, "keys"_a, "values"_a, "tables"_a, "mask"_a.none(),
+        "scale"_a, "softcap"_a = 0.0f, nb::kw_only(), "stream"_a = nb::none(),
+        "softmax attention of q [B, heads, 1, D] (times scale) over the blocks tables [B, n] of pools "
+        "[blocks, kv_heads, block_size, D]; mask: bool [B or 1, ..., n * block_size] or None");
   m.attr("mlx_version") = QK_MLX_VERSION;  // the mlx whose headers and library it was built against
   m.def("block_bytes", [](const std::string& f) { return qk::block_bytes(parse_format(f)); });
   m.def("set_threads", [](int t) { g_threads = std::max(1, t); }, "threads"_a);

@@ -1,0 +1,184 @@
+// Loops for the parts of a decode step around its products, each one MLX node where MLX's own ops
+// take five to thirty-five: RMSNorm, rope applied from a step's tables, and attention of one new
+// token per row over K/V kept in pool blocks.  At one row a step's cost is MLX's cost per node,
+// not arithmetic (docs/benchmarks.md, "Where a one-sequence step goes").
+//
+// Each loop computes a row from that row's inputs alone, in an order fixed by the code: the same
+// result for a row alone as in any batch.  The bodies are plain C++ written so the compiler
+// vectorizes them (lane arrays instead of reductions, no libm calls in the loops); each is compiled
+// three times, for AVX-512, AVX2 and the baseline, and the instruction set qk::isa() names runs.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "qkernels.h"
+
+namespace qk {
+
+#define QK_INLINE inline __attribute__((always_inline))
+
+// A sum of n products in 16 lanes (lane l takes i = l mod 16), then a fixed tree; the tail in order.
+QK_INLINE float dot(const float* a, const float* b, int n) {
+  float acc[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  float s = acc[0];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// e ** x elementwise, as slotinfer.cpu.fastmath.exp computes it (its constants, Estrin's form),
+// and exactly 0 for -inf (a masked score).
+QK_INLINE void exp_inplace(float* x, int n) {
+  const float log2e = 1.44269504088896341f, round = 12582912.0f, hi = 0.693359375f, lo = -2.12194440e-4f;
+  const float p0 = 1.9875691500e-4f, p1 = 1.3981999507e-3f, p2 = 8.3334519073e-3f, p3 = 4.1665795894e-2f,
+              p4 = 1.6666665459e-1f, p5 = 5.0000001201e-1f;
+  for (int i = 0; i < n; ++i) {
+    float c = std::min(std::max(x[i], -87.0f), 88.0f);
+    float k = (c * log2e + round) - round;
+    float r = (c - k * hi) - k * lo;
+    int32_t bits = k < -125.5f ? 0 : ((int32_t)k + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, 4);
+    float r2 = r * r;
+    float p = ((p0 * r + p1) * r2 + (p2 * r + p3)) * r2 + (p4 * r + p5);
+    x[i] = (p * r2 + r + 1.0f) * two_k;
+  }
+}
+
+struct AttendJob {
+  const float* q;          // [B, H, D]
+  const float* keys;       // pool [num_blocks, kvh, bs, D]
+  const float* values;
+  const int32_t* tables;   // [B, nblk]
+  const bool* mask;        // [B or 1, span] (nullptr: every position)
+  bool mask_per_row;
+  float* out;              // [B, H, D]
+  int B, H, kvh, bs, D, nblk;
+  float scale;             // q's factor (applied first, rounded: (q * scale) . k)
+  float softcap;           // 0: none
+};
+
+// Attention of row b's query heads (times scale) over its blocks: scores in position order, masked to -inf,
+// soft-capped where asked; e = exp(s - max); out = (sum over positions in order of e_j * v_j) / sum
+// of e_j, positions with e_j = 0 skipped (a masked or underflowed position adds nothing).
+QK_INLINE void attend_row(const AttendJob& j, int b, std::vector<float>& s) {
+  const int span = j.nblk * j.bs, rep = j.H / j.kvh, D = j.D;
+  s.resize(span + D);
+  float* q = s.data() + span;
+  const bool* m = j.mask ? j.mask + (j.mask_per_row ? (size_t)b * span : 0) : nullptr;
+  const int32_t* table = j.tables + (size_t)b * j.nblk;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int h = 0; h < j.H; ++h) {
+    const int g = h / rep;
+    const float* qh = j.q + ((size_t)b * j.H + h) * D;
+    for (int d = 0; d < D; ++d) q[d] = qh[d] * j.scale;
+    float* o = j.out + ((size_t)b * j.H + h) * D;
+    for (int t = 0; t < j.nblk; ++t) {
+      const float* kb = j.keys + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
+      for (int p = 0; p < j.bs; ++p) {
+        const int at = t * j.bs + p;
+        if (m && !m[at]) {
+          s[at] = ninf;
+          continue;
+        }
+        float v = dot(q, kb + (size_t)p * D, D);
+        if (j.softcap != 0.0f) v = std::tanh(v / j.softcap) * j.softcap;
+        s[at] = v;
+      }
+    }
+    float top = ninf;
+    for (int i = 0; i < span; ++i) top = std::max(top, s[i]);
+    for (int d = 0; d < D; ++d) o[d] = 0.0f;
+    if (top == ninf) continue;  // nothing to attend: zeros
+    for (int i = 0; i < span; ++i) s[i] -= top;
+    exp_inplace(s.data(), span);
+    float sum = 0.0f;
+    for (int t = 0; t < j.nblk; ++t) {
+      const float* vb = j.values + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
+      for (int p = 0; p < j.bs; ++p) {
+        const float e = s[t * j.bs + p];
+        if (e == 0.0f) continue;
+        sum += e;
+        const float* v = vb + (size_t)p * D;
+        for (int d = 0; d < D; ++d) o[d] += e * v[d];
+      }
+    }
+    for (int d = 0; d < D; ++d) o[d] /= sum;
+  }
+}
+
+QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) {
+  thread_local std::vector<float> s;
+  for (int b = b0; b < b1; ++b) attend_row(j, b, s);
+}
+
+// y = (x * (1 / sqrt(mean(x^2) + eps))) * w per row of n (w may be null)
+QK_INLINE void rms_norm_body(const float* x, const float* w, float* y, int64_t rows, int n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* yr = y + r * n;
+    const float scale = 1.0f / std::sqrt(dot(xr, xr, n) / (float)n + eps);
+    if (w) {
+      for (int i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
+    } else {
+      for (int i = 0; i < n; ++i) yr[i] = xr[i] * scale;
+    }
+  }
+}
+
+// Rope from tables: per (row, head), the first `half` and next `half` features x1, x2 become
+// x1 * cos - x2 * sin and x1 * sin + x2 * cos (each product rounded, as separate ops round them);
+// features past 2 * half are copied.  cos/sin rows: one per batch row, or one for all.
+QK_INLINE void rope_body(const float* x, const float* cs, const float* sn, float* y, int B, int H, int D, int half,
+                         bool per_row) {
+  for (int b = 0; b < B; ++b) {
+    const float* c = cs + (per_row ? (size_t)b * half : 0);
+    const float* s = sn + (per_row ? (size_t)b * half : 0);
+    for (int h = 0; h < H; ++h) {
+      const float* xr = x + ((size_t)b * H + h) * D;
+      float* yr = y + ((size_t)b * H + h) * D;
+      for (int i = 0; i < half; ++i) {
+        const float x1 = xr[i], x2 = xr[i + half];
+        yr[i] = x1 * c[i] - x2 * s[i];
+        yr[i + half] = x1 * s[i] + x2 * c[i];
+      }
+      for (int i = 2 * half; i < D; ++i) yr[i] = xr[i];
+    }
+  }
+}
+
+#ifdef QK_X86
+#define QK_DECODE_VARIANTS(name, body, params, args)      \
+  QK_AVX512 inline void name##_avx512 params { body args; } \
+  QK_AVX2 inline void name##_avx2 params { body args; }     \
+  inline void name##_base params { body args; }             \
+  inline void name params {                                 \
+    switch (isa()) {                                        \
+      case Isa::Avx512: return name##_avx512 args;          \
+      case Isa::Avx2: return name##_avx2 args;              \
+      default: return name##_base args;                     \
+    }                                                       \
+  }
+#else
+#define QK_DECODE_VARIANTS(name, body, params, args) \
+  inline void name params { body args; }
+#endif
+
+QK_DECODE_VARIANTS(attend_rows, attend_rows_body, (const AttendJob& j, int b0, int b1), (j, b0, b1))
+QK_DECODE_VARIANTS(rms_norm_rows, rms_norm_body,
+                   (const float* x, const float* w, float* y, int64_t rows, int n, float eps),
+                   (x, w, y, rows, n, eps))
+QK_DECODE_VARIANTS(rope_rows, rope_body,
+                   (const float* x, const float* cs, const float* sn, float* y, int B, int H, int D, int half,
+                    bool per_row),
+                   (x, cs, sn, y, B, H, D, half, per_row))
+
+}  // namespace qk
