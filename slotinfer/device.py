@@ -81,11 +81,12 @@ def compute_dtype(stored_dtype, device=None, override=None) -> mx.Dtype:
 
 def model_ops(device=None) -> Ops:
     """The one ops object the model computes with (:mod:`slotinfer.cpu.ops`): on CPU the
-    own elementwise math (:func:`own_elementwise`) and the split decode attention
-    (:func:`attention_split`); on GPU MLX's own kernels."""
+    own elementwise math (:func:`own_elementwise`), the native extension's RMSNorm, rope and
+    decode attention where it is built (``SLOTINFER_NATIVE_OPS=0`` keeps them MLX arithmetic)
+    and the split decode attention (:func:`attention_split`); on GPU MLX's own kernels."""
     streams = attention_split(device)
     if own_elementwise(device):
-        return cpu_ops(streams)
+        return cpu_ops(streams, native=settings.native_ops())
     return dataclasses.replace(MLX_OPS, attention_streams=streams) if streams > 1 else MLX_OPS
 
 
@@ -263,6 +264,19 @@ def _quant_kernels_note(device) -> str:
             else f"off, GGUF weights are dequantized to float32: {state}")
 
 
+def _native_ops_note(device) -> str:
+    ops = model_ops(device)
+    if ops.paged_decode is not None:
+        return "on: RMSNorm, rope and decode attention are one native node each"
+    if device != "cpu" or not own_elementwise(device):
+        return "not used (MLX's own kernels serve)"
+    if not settings.native_ops():
+        return "off (SLOTINFER_NATIVE_OPS=0)"
+    from .cpu import qkernel
+
+    return f"off: the extension is {qkernel.status()}"
+
+
 def describe() -> dict:
     """What this process runs on: for logs, bug reports and ``slotinfer --version``."""
     device = default_device()
@@ -273,6 +287,7 @@ def describe() -> dict:
         "compute_dtype_for_bfloat16": dtype_name(compute_dtype(mx.bfloat16, device)),
         "keep_quantized": keep_quantized(device),
         "quant_kernels": _quant_kernels_note(device),
+        "native_ops": _native_ops_note(device),
         "retain_freed_memory": allocator.in_force(),
         "prefill_by_layer_from_tokens": prefill_by_layer(device),
         "prefix_cache_bytes": prefix_cache_bytes(device),

@@ -45,6 +45,12 @@ def own_math() -> bool:
     return _flag("SLOTINFER_OWN_MATH")
 
 
+def native_ops() -> bool:
+    """``SLOTINFER_NATIVE_OPS=0``: on CPU, RMSNorm, rope and decode attention stay MLX arithmetic
+    instead of the native extension's primitives (one node each)."""
+    return _flag("SLOTINFER_NATIVE_OPS")
+
+
 def attention_streams() -> int | None:
     """``SLOTINFER_ATTENTION_STREAMS``: CPU streams a decode step's attention is split over;
     None when unset.  Raises ValueError on anything but a whole number >= 1."""

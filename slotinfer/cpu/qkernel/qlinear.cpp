@@ -125,6 +125,11 @@ void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int 
   int threads = std::max(1, std::min(g_threads, groups));
   // below ~64k multiply-adds a thread's wake-up costs more than its share saves
   if ((long)m * n * k < 65536L * threads) threads = 1;
+  // A decode step of a few rows leaves one core to the thread that builds the next step's graph
+  // meanwhile: with every core in the product, the two wait on each other (SmolLM2 Q4_1 on 2
+  // cores, one sequence: 86 tokens/s with the product on one thread, 73 on two; from 8 rows the
+  // products are long enough that two threads win, 182 against 138).
+  if (m <= 4) threads = std::min(threads, std::max(1, g_threads - 1));
   std::function<void(int)> share = [&](int t) {
     thread_local std::vector<float> buf;
     int j0 = std::min(n, (int)((long)groups * t / threads) * qk::GROUP);
