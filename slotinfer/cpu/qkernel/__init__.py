@@ -1,5 +1,7 @@
-"""Quantized linear layers on CPU: ``x @ dequant(W).T`` as an MLX primitive, W in GGUF Q8_0 /
-Q4_0 / Q4_1 blocks as the file stores them, float32 activations and accumulation.
+"""slotinfer's native CPU extension.  Quantized linear layers: ``x @ dequant(W).T`` as an MLX
+primitive, W in GGUF Q8_0 / Q4_0 / Q4_1 blocks as the file stores them, float32 activations and
+accumulation.  And a decode step's RMSNorm, rope from tables and attention over pool blocks, one
+MLX node each (``decode_ops.h``; the CPU ops use them: :func:`slotinfer.cpu.ops.cpu_ops`).
 
 The extension (``qlinear.cpp``, loops in ``qkernels.h``) is compiled when slotinfer is installed
 (``setup.py``), against the mlx wheel of the build environment; :func:`load` imports it on first
