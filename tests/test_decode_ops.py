@@ -171,3 +171,135 @@ def test_bad_input_is_refused_with_what_was_wrong():
         module.paged_decode_attention(mx.zeros((2, 3, 1, 8)), pool, pool, tables, None, 1.0)
     with pytest.raises(ValueError, match="mask"):
         module.paged_decode_attention(q, pool, pool, tables, mx.ones((2, 5), dtype=mx.bool_), 1.0)
+
+
+# -- a whole block as a few nodes (slotinfer/cpu/fused.py) ---------------------------------------------
+
+def quantized(rng, rows, k, qtype):
+    import gguf
+
+    w = normal(rng, rows, k, scale=0.2)
+    return mx.array(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]))
+
+
+@given(b=st.integers(1, 4), kv=st.sampled_from([(1, 3), (2, 2), (2, 1)]), d=st.sampled_from([32, 64]),
+       bs=st.sampled_from([4, 16]), shared_rope=st.booleans(), bias=st.booleans(), qk_norm=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_attention_half_is_its_separate_nodes_bit_for_bit(kernels, b, kv, d, bs, shared_rope, bias, qk_norm, seed):
+    """``qkv_rope`` (RMSNorm, q|k|v and its bias, the per-head q/k norms, rope from tables) and
+    ``attend_out`` (paged attention, o and the residual add) give what the separate primitives
+    give, bit for bit."""
+    rng = np.random.default_rng(seed)
+    kvh, rep = kv
+    heads, hid = kvh * rep, 64
+    nblk, blocks = 3, 2 + 3 * b
+    x, wn = mx.array(normal(rng, b, 1, hid)), mx.array(normal(rng, hid))
+    wqkv, wo = quantized(rng, (heads + 2 * kvh) * d, hid, "Q4_1"), quantized(rng, hid, heads * d, "Q8_0")
+    keys, values = mx.array(normal(rng, blocks, kvh, bs, d)), mx.array(normal(rng, blocks, kvh, bs, d))
+    tables = mx.array(rng.permutation(np.arange(2, blocks))[: b * nblk].reshape(b, nblk).astype(np.int32))
+    pos = rng.integers(0, nblk * bs, size=b)
+    mask = mx.array(np.arange(nblk * bs)[None] <= pos[:, None])
+    r = normal(rng, 1 if shared_rope else b, 1, 1, d)
+    cos, sin = mx.array(r)[..., : d // 2], mx.array(r)[..., d // 2:]
+    extra = dict(qkv_bias=mx.array(normal(rng, (heads + 2 * kvh) * d)) if bias else None,
+                 qk_norm=mx.array(normal(rng, heads + kvh, d)) if qk_norm else None)
+    got_qkv = module.qkv_rope(x, wn, 1e-5, wqkv, "q4_1", cos, sin, heads, kvh, **extra)
+    got_h = module.attend_out(got_qkv, keys, values, tables, mask, wo, "q8_0", x, heads, d ** -0.5)
+    # the separate nodes, as the model runs them
+    qkv = module.qlinear(module.rms_norm(x, wn, 1e-5), wqkv, "q4_1")
+    if bias:
+        qkv = qkv + extra["qkv_bias"]
+    qkv = qkv.reshape(b, 1, heads + 2 * kvh, d)
+    qk = qkv[:, :, : heads + kvh]
+    if qk_norm:
+        qk = module.rms_norm(qk, None, 1e-5) * extra["qk_norm"]
+    qk = module.rope_apply(qk.transpose(0, 2, 1, 3), cos, sin)
+    want_qkv = mx.concatenate([qk.transpose(0, 2, 1, 3), qkv[:, :, heads + kvh:]], axis=2).reshape(b, 1, -1)
+    assert mx.array_equal(got_qkv, want_qkv).item()
+    att = module.paged_decode_attention(qk[:, :heads], keys, values, tables, mask, d ** -0.5)
+    want_h = x + module.qlinear(att.reshape(b, 1, heads * d), wo, "q8_0")
+    assert mx.array_equal(got_h, want_h).item()
+
+
+@given(rows=st.integers(1, 6), act=st.sampled_from(["silu", "gelu_tanh"]), seed=st.integers(0, 2**16))
+def test_mlp_block_is_its_separate_nodes(kernels, rows, act, seed):
+    """RMSNorm, gate|up, the activation of the CPU ops, down and the residual add as one node: the
+    ops' values to float32 rounding (their activation is MLX's compiled arithmetic), and each row
+    the same alone as in any batch, bit for bit."""
+    rng = np.random.default_rng(seed)
+    hid, n = 64, 96
+    wgu, wd = quantized(rng, 2 * n, hid, "Q4_0"), quantized(rng, hid, n, "Q8_0")
+    h, wn = mx.array(normal(rng, rows, 1, hid)), mx.array(normal(rng, hid))
+    got = module.mlp_block(h, wn, 1e-6, wgu, "q4_0", wd, "q8_0", act)
+    ops = cpu_ops()
+    g, u = mx.split(module.qlinear(module.rms_norm(h, wn, 1e-6), wgu, "q4_0"), 2, axis=-1)
+    want = h + module.qlinear(ops.silu_mul(g, u) if act == "silu" else ops.gelu_tanh_mul(g, u), wd, "q8_0")
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    for i in range(rows):
+        alone = module.mlp_block(h[i:i + 1], wn, 1e-6, wgu, "q4_0", wd, "q8_0", act)
+        assert mx.array_equal(alone, got[i:i + 1]).item()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def llama_q41(request, tmp_path_factory):
+    """A tiny model in a Q4_1 GGUF (its norms float32): every block takes the fused path (Qwen 2
+    with its q|k|v bias, Qwen 3 with its q/k norms)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gguf_fixtures import twin, write_gguf
+
+    root = tmp_path_factory.mktemp("fused")
+    family = request.param
+    return slotinfer.load(write_gguf(twin(family, root / family), root / f"{family}-q4_1.gguf", "Q4_1"))
+
+
+def test_a_model_decodes_through_the_fused_blocks(llama_q41, monkeypatch):
+    """The engine's decode steps and the single-sequence reference go through the fused blocks; the
+    greedy tokens equal the separate nodes' and are the same alone and batched."""
+    from slotinfer.cpu import fused
+
+    prompts = ["hello world", "the cat sat on", "1 2 3 4 5 6 7 8 9 10 11 12"]
+    calls = []
+    real = fused.block
+
+    def counted(module_, blk, x, ctx):
+        out = real(module_, blk, x, ctx)
+        if x.shape[1] == 1:  # a decode step (a prefill runs the separate nodes)
+            calls.append(out is not None)
+        return out
+
+    blocks = llama_q41.net.model.layers
+    for blk in blocks:
+        monkeypatch.setattr(blk, "_fused", lambda b, x, ctx: counted(module, b, x, ctx))
+    batched = [r.tokens for r in llama_q41.batch_generate(prompts, max_tokens=24, ignore_eos=True)]
+    assert calls and all(calls), "a block did not take the fused path"
+    alone = [llama_q41.generate(p, max_tokens=24, ignore_eos=True).tokens for p in prompts]
+    for blk in blocks:
+        monkeypatch.setattr(blk, "_fused", None)
+    separate = [r.tokens for r in llama_q41.batch_generate(prompts, max_tokens=24, ignore_eos=True)]
+    assert batched == alone == separate
+
+
+def test_fused_blocks_refuse_bad_input():
+    rng = np.random.default_rng(0)
+    w = quantized(rng, 64, 64, "Q8_0")
+    gate_up = quantized(rng, 128, 64, "Q8_0")
+    with pytest.raises(ValueError, match="activation"):
+        module.mlp_block(mx.zeros((1, 1, 64)), mx.ones((64,)), 1e-5, gate_up, "q8_0", w, "q8_0", "relu")
+    with pytest.raises(ValueError, match="w_down"):
+        module.mlp_block(mx.zeros((1, 1, 64)), mx.ones((64,)), 1e-5, gate_up, "q8_0", quantized(rng, 64, 32, "Q8_0"),
+                         "q8_0")
+    wqkv, wo, pool = quantized(rng, 96, 64, "Q8_0"), quantized(rng, 64, 32, "Q8_0"), mx.zeros((4, 1, 4, 32))
+    x, tables, half = mx.zeros((1, 1, 64)), mx.zeros((1, 1), dtype=mx.int32), mx.zeros((1, 16))
+    qkv = module.qkv_rope(x, mx.ones((64,)), 1e-5, wqkv, "q8_0", half, half, 1, 1)
+    mx.eval(module.attend_out(qkv, pool, pool, tables, mx.ones((1, 4), dtype=mx.bool_), wo, "q8_0", x, 1, 0.25))
+    with pytest.raises(ValueError, match=r"\[B, 1, hidden\]"):
+        module.qkv_rope(mx.zeros((1, 2, 64)), mx.ones((64,)), 1e-5, wqkv, "q8_0", half, half, 1, 1)
+    with pytest.raises(ValueError, match="kv_heads"):
+        module.qkv_rope(x, mx.ones((64,)), 1e-5, wqkv, "q8_0", half, half, 2, 3)
+    with pytest.raises(ValueError, match="mask"):
+        module.attend_out(qkv, pool, pool, tables, mx.ones((1, 5), dtype=mx.bool_), wo, "q8_0", x, 1, 0.25)
+    with pytest.raises(ValueError, match="qkv"):
+        module.attend_out(qkv[..., :64], pool, pool, tables, mx.ones((1, 4), dtype=mx.bool_), wo, "q8_0", x, 1, 0.25)

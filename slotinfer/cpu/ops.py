@@ -21,6 +21,7 @@ tolerance); they differ in speed only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -29,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .._compile import ThreadCompiled
-from . import fastmath, qkernel
+from . import fastmath, fused, qkernel
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class Ops:
     them anew in each layer; see ``transformer.RoPE``); ``rope_apply(x, cos, sin)``: those
     tables applied to ``x`` [B, heads, 1, D], when set; ``paged_decode(q, keys, values,
     tables, mask, scale, softcap)``: when set, the attention of one new token per row over pool
-    blocks (see :func:`slotinfer.kv.paged_attend`), float32.
+    blocks (see :func:`slotinfer.kv.paged_attend`), float32; ``fused_block(block, x, ctx)``: when
+    set, a decoder block's output as native nodes, or None where it does not apply
+    (:mod:`.fused`).
     """
 
     name: str
@@ -60,6 +63,7 @@ class Ops:
     shared_rope: bool = False
     rope_apply: Callable | None = None
     paged_decode: Callable | None = None
+    fused_block: Callable | None = None
 
 
 def _gelu_arg(g):  # gelu_tanh(g) = 0.5 g (1 + tanh(a))
@@ -116,4 +120,4 @@ def cpu_ops(attention_streams: int = 1, native: bool = True) -> Ops:
         return module.paged_decode_attention(q, keys, values, tables.astype(mx.int32), mask, scale, softcap or 0.0)
 
     return dataclasses.replace(ops, rms_norm=rms_norm, rope_apply=module.rope_apply,
-                               paged_decode=paged_decode)
+                               paged_decode=paged_decode, fused_block=functools.partial(fused.block, module))

@@ -177,6 +177,11 @@ class PagedDecodeView:
             self._blocks = block_index(self.tables, k.shape[1])
         return PagedKV(self.keys[layer], self.values[layer], self.tables, self._blocks), None
 
+    def fused_inputs(self, layer):
+        """The step's rope tables, where a block may run as native nodes (:mod:`slotinfer.cpu.fused`:
+        one token a row, float32 pools); else None."""
+        return self.rope_tables if self.keys[layer].dtype == mx.float32 else None
+
     def mask(self, layer, L, window):
         if (L, window) not in self._masks:
             q_pos = self.mask_pos[:, None] + mx.arange(L)[None]  # [B, L]
@@ -220,6 +225,13 @@ class PagedSequenceCache(SequenceCache):
         if L > 1:
             return k, v
         return PagedKV(self.keys[layer], self.values[layer], mx.arange(need, dtype=mx.int32)[None]), None
+
+    def fused_inputs(self, layer):
+        """Rope tables for a block run as native nodes on the decode of one token (what the
+        engine's :class:`PagedDecodeView` offers, so that this reference reads through the same
+        loops); None before the prompt or for pools in another dtype than float32."""
+        keys = self.keys[layer]
+        return {} if keys is not None and keys.dtype == mx.float32 else None
 
     def mask(self, layer, L, window):
         if L > 1:

@@ -94,14 +94,7 @@ class RoPE(nn.Module):
         if tables is None or x.shape[2] != 1:
             return self._rope(x, offset)
         half = self.dims // 2
-        key = (self.dims, self.base, self.scale, id(self._freqs))
-        if key not in tables:
-            rows = offset.size if isinstance(offset, mx.array) else 1
-            probe = mx.broadcast_to(mx.concatenate([mx.ones((half,)), mx.zeros((self.dims - half,))]),
-                                    (rows, 1, 1, self.dims)).astype(x.dtype)
-            r = self._rope(probe, offset)
-            tables[key] = (r[..., :half], r[..., half:])
-        cos, sin = tables[key]
+        cos, sin = self.step_tables(offset, tables, x.dtype)
         if self._apply is not None and x.dtype == mx.float32:
             return self._apply(x, cos, sin)
         x1, x2 = x[..., :half], x[..., half:self.dims]
@@ -109,6 +102,20 @@ class RoPE(nn.Module):
         if self.dims < x.shape[-1]:
             outs.append(x[..., self.dims:])
         return mx.concatenate(outs, axis=-1)
+
+    def step_tables(self, offset, tables: dict, dtype=mx.float32):
+        """Cosines and sines [rows, 1, 1, dims / 2] of positions ``offset`` (int or [rows]), made
+        by ``mx.fast.rope`` once per ``tables`` (a decode step's ``ctx.rope_tables``) for every
+        layer that rotates alike."""
+        half = self.dims // 2
+        key = (self.dims, self.base, self.scale, id(self._freqs))
+        if key not in tables:
+            rows = offset.size if isinstance(offset, mx.array) else 1
+            probe = mx.broadcast_to(mx.concatenate([mx.ones((half,)), mx.zeros((self.dims - half,))]),
+                                    (rows, 1, 1, self.dims)).astype(dtype)
+            r = self._rope(probe, offset)
+            tables[key] = (r[..., :half], r[..., half:])
+        return tables[key]
 
     def _rope(self, x, offset):
         if self._freqs is not None:
@@ -244,7 +251,8 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = ops.gelu_tanh_mul if cfg.activation == "gelu_tanh" else ops.silu_mul
+        self.gelu = cfg.activation == "gelu_tanh"
+        self.act = ops.gelu_tanh_mul if self.gelu else ops.silu_mul
 
     def __call__(self, x):
         g, u = mx.split(self.gate_up_proj(x), 2, axis=-1)
@@ -260,11 +268,16 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
         self.sandwich = cfg.sandwich_norms
+        self._fused = ops.fused_block  # the whole block as native nodes where it applies (CPU decode)
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, ops)
 
     def __call__(self, x, ctx):
+        if self._fused is not None:
+            out = self._fused(self, x, ctx)
+            if out is not None:
+                return out
         if self.sandwich:  # Gemma: norm around both sub-blocks
             h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))

@@ -54,7 +54,8 @@ QK_INLINE void exp_inplace(float* x, int n) {
 }
 
 struct AttendJob {
-  const float* q;          // [B, H, D]
+  const float* q;          // [B, H, D], rows q_stride floats apart
+  int64_t q_stride;        // 0: H * D
   const float* keys;       // pool [num_blocks, kvh, bs, D]
   const float* values;
   const int32_t* tables;   // [B, nblk]
@@ -83,7 +84,7 @@ QK_INLINE void attend_row(const AttendJob& j, int b, std::vector<float>& buf) {
   for (int g = 0; g < j.kvh; ++g) {
     const int h0 = g * rep;
     for (int r = 0; r < rep; ++r) {
-      const float* qh = j.q + ((size_t)b * j.H + h0 + r) * D;
+      const float* qh = j.q + (size_t)b * (j.q_stride ? j.q_stride : (int64_t)j.H * D) + (size_t)(h0 + r) * D;
       for (int d = 0; d < D; ++d) q[r * D + d] = qh[d] * j.scale;
     }
     for (int t = 0; t < j.nblk; ++t) {
@@ -139,6 +140,44 @@ QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) {
       case 128: attend_row<128>(j, b, s); break;
       case 256: attend_row<256>(j, b, s); break;
       default: attend_row<0>(j, b, s);
+    }
+  }
+}
+
+// e ** x as slotinfer.cpu.fastmath.exp computes it in Horner's form (the MLP's activations use it).
+QK_INLINE float exp_horner(float x) {
+  const float log2e = 1.44269504088896341f, round = 12582912.0f, hi = 0.693359375f, lo = -2.12194440e-4f;
+  float c = std::min(std::max(x, -87.0f), 88.0f);
+  float k = (c * log2e + round) - round;
+  float r = (c - k * hi) - k * lo;
+  int32_t bits = k < -125.5f ? 0 : ((int32_t)k + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, 4);
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return (p * (r * r) + r + 1.0f) * two_k;
+}
+
+// The gated activations of the MLP on rows of [gate | up] (each n wide) into y [rows, n]:
+// silu(g) * u = (g / (1 + e^-g)) * u, or gelu_tanh(g) * u = sigmoid(2a) * g * u with
+// a = sqrt(2 / pi) * (g + 0.044715 g^3), as slotinfer.cpu.ops computes them.
+QK_INLINE void gated_body(const float* gu, float* y, int64_t rows, int n, int gelu) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * 2 * n;
+    const float* u = g + n;
+    float* yr = y + r * n;
+    if (!gelu) {
+      for (int i = 0; i < n; ++i) yr[i] = (g[i] / (1.0f + exp_horner(-g[i]))) * u[i];
+    } else {
+      const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+      for (int i = 0; i < n; ++i) {
+        const float a = c * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
+        yr[i] = ((1.0f / (1.0f + exp_horner(-(2.0f * a)))) * g[i]) * u[i];
+      }
     }
   }
 }
@@ -199,6 +238,8 @@ QK_DECODE_VARIANTS(attend_rows, attend_rows_body, (const AttendJob& j, int b0, i
 QK_DECODE_VARIANTS(rms_norm_rows, rms_norm_body,
                    (const float* x, const float* w, float* y, int64_t rows, int n, float eps),
                    (x, w, y, rows, n, eps))
+QK_DECODE_VARIANTS(gated_rows, gated_body, (const float* gu, float* y, int64_t rows, int n, int gelu),
+                   (gu, y, rows, n, gelu))
 QK_DECODE_VARIANTS(rope_rows, rope_body,
                    (const float* x, const float* cs, const float* sn, float* y, int B, int H, int D, int half,
                     bool per_row),

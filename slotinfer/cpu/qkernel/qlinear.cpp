@@ -64,7 +64,11 @@ T await_change(std::atomic<T>& cell, T old, int spin_us) {
 // results since a share's sums do not depend on the split.
 class Pool {
  public:
-  int spin_us = 20;
+  // How long a waiting thread spins before it sleeps.  Long enough to span what a decode step does
+  // between two products (attention, norms, the host's next step): a worker woken from its sleep
+  // takes tens of microseconds to run again under a hypervisor, every product.  SmolLM2 Q4_1 on 2
+  // cores, one sequence: 86 tokens/s with 20 us, 96-97 with 1-2 ms; 4 sequences 191 against 228.
+  int spin_us = 2000;
 
   void run(int n, const std::function<void(int)>& fn) {
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
@@ -108,6 +112,7 @@ class Pool {
 // none of the parent's threads, starts a new one.
 Pool* g_pool = new Pool();
 int g_threads = 1;
+int g_spare_rows = 4;  // products of at most this many rows leave a core free (see run)
 
 void after_fork_child() { g_pool = new Pool(); }
 const int g_atfork = pthread_atfork(nullptr, nullptr, after_fork_child);
@@ -120,7 +125,9 @@ qk::Format parse_format(const std::string& name) {
 }
 
 // The columns go to the threads in whole groups of 8 (a thread never splits a sum).
-void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int k, int n) {
+// `spare`: the product is a node of its own in a graph of many (a decode step's separate nodes),
+// whose queueing keeps another thread busy (see below); false inside the fused blocks.
+void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int k, int n, bool spare = false) {
   int groups = (n + qk::GROUP - 1) / qk::GROUP;
   int threads = std::max(1, std::min(g_threads, groups));
   // below ~64k multiply-adds a thread's wake-up costs more than its share saves
@@ -129,7 +136,7 @@ void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int 
   // meanwhile: with every core in the product, the two wait on each other (SmolLM2 Q4_1 on 2
   // cores, one sequence: 86 tokens/s with the product on one thread, 73 on two; from 8 rows the
   // products are long enough that two threads win, 182 against 138).
-  if (m <= 4) threads = std::min(threads, std::max(1, g_threads - 1));
+  if (spare && m <= g_spare_rows) threads = std::min(threads, std::max(1, g_threads - 1));
   std::function<void(int)> share = [&](int t) {
     thread_local std::vector<float> buf;
     int j0 = std::min(n, (int)((long)groups * t / threads) * qk::GROUP);
@@ -206,7 +213,7 @@ class QuantizedLinear : public mx::Primitive {
     enc.dispatch([f = format_, xs = Operand<float>(x), ws = Operand<uint8_t>(w), op = out.data<float>(), m, k, n]() {
       thread_local std::vector<float> xbuf;
       thread_local std::vector<uint8_t> wbuf;
-      run(f, xs.packed(xbuf), ws.packed(wbuf), op, m, k, n);
+      run(f, xs.packed(xbuf), ws.packed(wbuf), op, m, k, n, true);
     });
   }
 
@@ -364,6 +371,157 @@ class PagedDecodeAttention : public Rowwise {
   float scale_, softcap_;
 };
 
+// A whole sub-block of a decode step as one node, for a pre-norm layer whose linear layers are in
+// GGUF blocks.  Each is the composition of the loops the separate nodes run, in the same order, so
+// the attention block gives what RMSNorm, q|k|v, rope, the K/V writes, paged attention, o and the
+// residual add give as separate nodes, bit for bit; the MLP block adds the activation of ops.py.
+
+// The attention half of a pre-norm block for one new token per row, as two nodes around the K/V
+// writes (which stay MLX scatters, so the pools are written in place):
+//   qkv_rope:   rope(qk_norm(qkv(rms_norm(x) * w_norm) + bias)) -> [B, 1, (heads + 2 kv_heads) D]
+//   attend_out: x + o(attention of its queries over the pools' blocks)
+
+// inputs: x [B, 1, hid], w_norm [hid], w_qkv (blocks), cos, sin [B or 1, half], then the optional
+// bias [(heads + 2 kvh) D] and q/k norm weights [(heads + kvh) D]
+class QkvRope : public Rowwise {
+ public:
+  QkvRope(mx::Stream s, qk::Format f, float eps, int heads, int kv_heads, bool bias, bool qk_norm)
+      : Rowwise(s), f_(f), eps_(eps), heads_(heads), kvh_(kv_heads), bias_(bias), qk_norm_(qk_norm) {}
+  const char* name() const override { return "SlotinferQkvRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const QkvRope*>(&other);
+    return o && o->f_ == f_ && o->eps_ == eps_ && o->heads_ == heads_ && o->kvh_ == kvh_ && o->bias_ == bias_ &&
+           o->qk_norm_ == qk_norm_;
+  }
+
+ protected:
+  mx::Shape out_shape(const std::vector<mx::array>& in) const override {
+    return {in[0].shape(0), 1, in[2].shape(0)};
+  }
+  Fn body(const std::vector<mx::array>& in) const override {
+    const int B = in[0].shape(0), hid = in[0].shape(-1), nq = in[2].shape(0), H = heads_, kvh = kvh_;
+    const int D = nq / (H + 2 * kvh), half = in[3].shape(-1);
+    const bool per_row = in[3].size() != (size_t)half, bias = bias_, norm = qk_norm_;
+    const qk::Format f = f_;
+    const float eps = eps_;
+    return [=](const std::vector<const float*>& fp, const std::vector<const void*>& w, float* out) {
+      // floats: x, w_norm, cos, sin, [bias], [qk_norm]
+      const float* bp = bias ? fp[4] : nullptr;
+      const float* qkw = norm ? fp[4 + bias] : nullptr;
+      thread_local std::vector<float> xn;
+      xn.resize((size_t)B * hid);
+      qk::rms_norm_rows(fp[0], fp[1], xn.data(), B, hid, eps);
+      run(f, xn.data(), static_cast<const uint8_t*>(w[0]), out, B, hid, nq);
+      for (int b = 0; b < B; ++b) {
+        float* row = out + (size_t)b * nq;
+        if (bp)  // the projection's bias, added to its sums
+          for (int i = 0; i < nq; ++i) row[i] = row[i] + bp[i];
+        if (qkw)  // Qwen 3's and Gemma 3's per-head norms of queries and keys: (x * scale) * w
+          for (int hh = 0; hh < H + kvh; ++hh)
+            qk::rms_norm_rows(row + (size_t)hh * D, qkw + (size_t)hh * D, row + (size_t)hh * D, 1, D, eps);
+        size_t t = per_row ? (size_t)b * half : 0;
+        qk::rope_rows(row, fp[2] + t, fp[3] + t, row, 1, H + kvh, D, half, false);
+      }
+    };
+  }
+
+ private:
+  qk::Format f_;
+  float eps_;
+  int heads_, kvh_;
+  bool bias_, qk_norm_;
+};
+
+// inputs: qkv [B, 1, (heads + 2 kvh) D] (its queries are read), keys, values [blocks, kvh, bs, D],
+// x [B, 1, hid] (the residual), tables [B, nblk] int32, mask bool [B or 1, span], w_o (blocks)
+class AttendOut : public Rowwise {
+ public:
+  AttendOut(mx::Stream s, qk::Format f, int heads, float scale, float softcap)
+      : Rowwise(s), f_(f), heads_(heads), scale_(scale), softcap_(softcap) {}
+  const char* name() const override { return "SlotinferAttendOut"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const AttendOut*>(&other);
+    return o && o->f_ == f_ && o->heads_ == heads_ && o->scale_ == scale_ && o->softcap_ == softcap_;
+  }
+
+ protected:
+  mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[3].shape(); }
+  Fn body(const std::vector<mx::array>& in) const override {
+    qk::AttendJob j{};
+    j.B = in[0].shape(0);
+    j.H = heads_;
+    j.kvh = in[1].shape(1);
+    j.bs = in[1].shape(2);
+    j.D = in[1].shape(3);
+    j.nblk = in[4].shape(1);
+    j.scale = scale_;
+    j.softcap = softcap_;
+    j.q_stride = in[0].shape(-1);
+    j.mask_per_row = in[5].size() != (size_t)(j.nblk * j.bs);
+    const int hid = in[3].shape(-1);
+    const qk::Format f = f_;
+    return [=](const std::vector<const float*>& fp, const std::vector<const void*>& o, float* out) mutable {
+      // floats: qkv, keys, values, x; others: tables, mask, w_o
+      thread_local std::vector<float> att, y;
+      att.resize((size_t)j.B * j.H * j.D);
+      y.resize((size_t)j.B * hid);
+      j.q = fp[0];
+      j.keys = fp[1];
+      j.values = fp[2];
+      j.tables = static_cast<const int32_t*>(o[0]);
+      j.mask = static_cast<const bool*>(o[1]);
+      j.out = att.data();
+      qk::attend_rows(j, 0, j.B);
+      run(f, att.data(), static_cast<const uint8_t*>(o[2]), y.data(), j.B, j.H * j.D, hid);
+      for (size_t i = 0; i < (size_t)j.B * hid; ++i) out[i] = fp[3][i] + y[i];
+    };
+  }
+
+ private:
+  qk::Format f_;
+  int heads_;
+  float scale_, softcap_;
+};
+
+// h + down(act(gate_up(rms_norm(h) * w_norm))), act silu (0) or gelu_tanh (1) of gate times up.
+class MlpBlock : public Rowwise {
+ public:
+  MlpBlock(mx::Stream s, qk::Format fgu, qk::Format fd, float eps, int gelu)
+      : Rowwise(s), fgu_(fgu), fd_(fd), eps_(eps), gelu_(gelu) {}
+  const char* name() const override { return "SlotinferMlpBlock"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const MlpBlock*>(&other);
+    return o && o->fgu_ == fgu_ && o->fd_ == fd_ && o->eps_ == eps_ && o->gelu_ == gelu_;
+  }
+
+ protected:
+  mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[0].shape(); }
+  Fn body(const std::vector<mx::array>& in) const override {
+    int hid = in[0].shape(-1), n = in[2].shape(0) / 2;
+    int64_t rows = in[0].size() / hid;
+    auto fgu = fgu_, fd = fd_;
+    float eps = eps_;
+    int gelu = gelu_;
+    return [=](const std::vector<const float*>& f, const std::vector<const void*>& w, float* out) {
+      thread_local std::vector<float> xn, gu, a, d;
+      xn.resize(rows * hid);
+      gu.resize(rows * 2 * n);
+      a.resize(rows * n);
+      d.resize(rows * hid);
+      qk::rms_norm_rows(f[0], f[1], xn.data(), rows, hid, eps);
+      run(fgu, xn.data(), static_cast<const uint8_t*>(w[0]), gu.data(), (int)rows, hid, 2 * n);
+      qk::gated_rows(gu.data(), a.data(), rows, n, gelu);
+      run(fd, a.data(), static_cast<const uint8_t*>(w[1]), d.data(), (int)rows, n, hid);
+      for (int64_t i = 0; i < rows * hid; ++i) out[i] = f[0][i] + d[i];
+    };
+  }
+
+ private:
+  qk::Format fgu_, fd_;
+  float eps_;
+  int gelu_;
+};
+
 mx::StreamOrDevice cpu_only(mx::StreamOrDevice s, const char* what) {
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument(std::string(what) + " runs on the CPU only");
@@ -423,6 +581,94 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& keys, cons
   return mx::array(q.shape(), mx::float32, std::make_shared<PagedDecodeAttention>(stream, scale, softcap), std::move(in));
 }
 
+void need_blocks(const mx::array& w, int k, qk::Format f, const char* what) {
+  int bb = qk::block_bytes(f);
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || !w.flags().row_contiguous || k % qk::BLOCK != 0 ||
+      w.shape(1) != (k / qk::BLOCK) * bb)
+    throw std::invalid_argument(std::string(what) + " must be contiguous uint8 [n, " + std::to_string(k) + " / 32 * " +
+                                std::to_string(bb) + "] blocks");
+}
+
+mx::array qkv_rope(const mx::array& x, const mx::array& w_norm, float eps, const mx::array& w_qkv,
+                   const std::string& fmt_qkv, const mx::array& cos, const mx::array& sin, int heads, int kv_heads,
+                   const std::optional<mx::array>& qkv_bias, const std::optional<mx::array>& qk_norm,
+                   mx::StreamOrDevice s) {
+  for (auto* a : {&x, &w_norm, &cos, &sin}) need_f32(*a, "x, the norm weight and the rope tables");
+  if (x.ndim() != 3 || x.shape(1) != 1) throw std::invalid_argument("x must be [B, 1, hidden]");
+  int B = x.shape(0), hid = x.shape(2);
+  if (w_norm.ndim() != 1 || w_norm.shape(0) != hid) throw std::invalid_argument("the norm weight must be [hidden]");
+  qk::Format f = parse_format(fmt_qkv);
+  need_blocks(w_qkv, hid, f, "w_qkv");
+  int groups = heads + 2 * kv_heads;
+  if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0 || w_qkv.shape(0) % groups != 0)
+    throw std::invalid_argument("w_qkv must have (heads + 2 kv_heads) D rows, kv_heads dividing heads");
+  int D = w_qkv.shape(0) / groups, half = cos.shape(-1);
+  if (cos.shape() != sin.shape() || 2 * half > D || (cos.size() != (size_t)half && cos.size() != (size_t)half * B))
+    throw std::invalid_argument("cos and sin must hold one row of half <= D / 2 for every row, or one for all");
+  std::vector<mx::array> in{x, w_norm, w_qkv, cos, sin};
+  if (qkv_bias) {
+    need_f32(*qkv_bias, "qkv_bias");
+    if (qkv_bias->size() != (size_t)w_qkv.shape(0)) throw std::invalid_argument("qkv_bias must have w_qkv's rows");
+    in.push_back(*qkv_bias);
+  }
+  if (qk_norm) {
+    need_f32(*qk_norm, "qk_norm");
+    if (qk_norm->size() != (size_t)(heads + kv_heads) * D)
+      throw std::invalid_argument("qk_norm must be [heads + kv_heads, D]");
+    in.push_back(*qk_norm);
+  }
+  auto stream = mx::to_stream(cpu_only(s, "qkv_rope"));
+  return mx::array({B, 1, w_qkv.shape(0)}, mx::float32,
+                   std::make_shared<QkvRope>(stream, f, eps, heads, kv_heads, (bool)qkv_bias, (bool)qk_norm),
+                   std::move(in));
+}
+
+mx::array attend_out(const mx::array& qkv, const mx::array& keys, const mx::array& values, const mx::array& tables,
+                     const mx::array& mask, const mx::array& w_o, const std::string& fmt_o, const mx::array& x,
+                     int heads, float scale, float softcap, mx::StreamOrDevice s) {
+  for (auto* a : {&qkv, &keys, &values, &x}) need_f32(*a, "qkv, the pools and x");
+  if (x.ndim() != 3 || x.shape(1) != 1) throw std::invalid_argument("x must be [B, 1, hidden]");
+  int B = x.shape(0), hid = x.shape(2);
+  if (keys.ndim() != 4 || keys.shape() != values.shape() || heads % keys.shape(1) != 0)
+    throw std::invalid_argument("keys and values must be [blocks, kv_heads, block_size, D], kv_heads dividing heads");
+  int kvh = keys.shape(1), D = keys.shape(3);
+  if (qkv.ndim() != 3 || qkv.shape(0) != B || qkv.shape(1) != 1 || qkv.shape(2) != (heads + 2 * kvh) * D)
+    throw std::invalid_argument("qkv must be [B, 1, (heads + 2 kv_heads) D]");
+  qk::Format f = parse_format(fmt_o);
+  need_blocks(w_o, heads * D, f, "w_o");
+  if (w_o.shape(0) != hid) throw std::invalid_argument("w_o must have hidden rows");
+  if (tables.dtype() != mx::int32 || tables.ndim() != 2 || tables.shape(0) != B)
+    throw std::invalid_argument("tables must be int32 [B, blocks]");
+  size_t span = (size_t)tables.shape(1) * keys.shape(2);
+  if (mask.dtype() != mx::bool_ || (size_t)mask.shape(-1) != span || (mask.size() != span && mask.size() != span * B))
+    throw std::invalid_argument("mask must be bool with one row of the tables' span for every row, or one for all");
+  auto stream = mx::to_stream(cpu_only(s, "attend_out"));
+  return mx::array(x.shape(), mx::float32, std::make_shared<AttendOut>(stream, f, heads, scale, softcap),
+                   {qkv, keys, values, x, tables, mask, w_o});
+}
+
+mx::array mlp_block(const mx::array& h, const mx::array& w_norm, float eps, const mx::array& w_gate_up,
+                    const std::string& fmt_gate_up, const mx::array& w_down, const std::string& fmt_down,
+                    const std::string& activation, mx::StreamOrDevice s) {
+  need_f32(h, "h");
+  need_f32(w_norm, "the norm weight");
+  if (h.ndim() < 1) throw std::invalid_argument("h must have at least one axis");
+  int hid = h.shape(-1);
+  if (w_norm.ndim() != 1 || w_norm.shape(0) != hid) throw std::invalid_argument("the norm weight must be [hidden]");
+  qk::Format fgu = parse_format(fmt_gate_up), fd = parse_format(fmt_down);
+  need_blocks(w_gate_up, hid, fgu, "w_gate_up");
+  int n = w_gate_up.shape(0) / 2;
+  if (w_gate_up.shape(0) % 2 != 0) throw std::invalid_argument("w_gate_up must have an even number of rows");
+  need_blocks(w_down, n, fd, "w_down");
+  if (w_down.shape(0) != hid) throw std::invalid_argument("w_down must have hidden rows");
+  if (activation != "silu" && activation != "gelu_tanh")
+    throw std::invalid_argument("activation must be silu or gelu_tanh, got " + activation);
+  auto stream = mx::to_stream(cpu_only(s, "mlp_block"));
+  return mx::array(h.shape(), mx::float32,
+                   std::make_shared<MlpBlock>(stream, fgu, fd, eps, activation == "gelu_tanh" ? 1 : 0),
+                   {h, w_norm, w_gate_up, w_down});
+}
+
 mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, mx::StreamOrDevice s) {
   qk::Format f = parse_format(format);
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
@@ -453,10 +699,23 @@ NB_MODULE(_qkernel, m) {
         "scale"_a, "softcap"_a = 0.0f, nb::kw_only(), "stream"_a = nb::none(),
         "softmax attention of q [B, heads, 1, D] (times scale) over the blocks tables [B, n] of pools "
         "[blocks, kv_heads, block_size, D]; mask: bool [B or 1, ..., n * block_size] or None");
+  m.def("qkv_rope", &qkv_rope, "x"_a, "w_norm"_a, "eps"_a, "w_qkv"_a, "fmt_qkv"_a, "cos"_a, "sin"_a, "heads"_a,
+        "kv_heads"_a, nb::kw_only(), "qkv_bias"_a.none() = nb::none(), "qk_norm"_a.none() = nb::none(),
+        "stream"_a = nb::none(),
+        "rope(qk_norm(qkv(rms_norm(x) * w_norm) + qkv_bias)) of x [B, 1, hidden]: [B, 1, (heads + 2 kv_heads) D], "
+        "queries and keys rotated by the tables cos, sin [B or 1, half]");
+  m.def("attend_out", &attend_out, "qkv"_a, "keys"_a, "values"_a, "tables"_a, "mask"_a, "w_o"_a, "fmt_o"_a, "x"_a,
+        "heads"_a, "scale"_a, "softcap"_a = 0.0f, nb::kw_only(), "stream"_a = nb::none(),
+        "x + o(attention of qkv's queries over the blocks tables [B, n] of the pools, under mask)");
+  m.def("mlp_block", &mlp_block, "h"_a, "w_norm"_a, "eps"_a, "w_gate_up"_a, "fmt_gate_up"_a, "w_down"_a, "fmt_down"_a,
+        "activation"_a = "silu", nb::kw_only(), "stream"_a = nb::none(),
+        "h + down(act(gate) * up) of rms_norm(h) * w_norm, gate | up from w_gate_up (act: silu or gelu_tanh)");
   m.attr("mlx_version") = QK_MLX_VERSION;  // the mlx whose headers and library it was built against
   m.def("block_bytes", [](const std::string& f) { return qk::block_bytes(parse_format(f)); });
   m.def("set_threads", [](int t) { g_threads = std::max(1, t); }, "threads"_a);
   m.def("threads", []() { return g_threads; });
+  m.def("set_spare_rows", [](int rows) { g_spare_rows = rows; }, "rows"_a,
+        "products of at most this many rows leave one core to the other threads (default 4; 0: never)");
   m.def("set_spin_us", [](int us) { g_pool->spin_us = std::max(0, us); }, "microseconds"_a);
   m.def("kernels", []() { return std::string(qk::isa_name(qk::isa())); }, "the loops in use");
   m.def("best_kernels", []() { return std::string(qk::isa_name(qk::best_isa())); }, "the best loops this CPU runs");
