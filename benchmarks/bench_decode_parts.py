@@ -26,12 +26,11 @@ import collections
 import io
 import re
 import statistics
-import time
 
 import slotinfer  # first: the BLAS before mlx.core
 import mlx.core as mx
 from slotinfer import default_model, engine
-from slotinfer.cli.bench import prompts_of
+from slotinfer.cli.bench import prompts_of, step_until_idle
 from slotinfer.cpu import qlayers
 from slotinfer.kv import paged_attention
 from slotinfer.models import transformer
@@ -76,15 +75,8 @@ def one_request(model, new: int) -> tuple[float, float]:
     e = engine.Engine(model, slots=1, max_len=32 + new + 8, prefix_cache_bytes=0)
     item = e.make_item(prompts_of(model, 1, 32)[0], max_tokens=new, ignore_eos=True)
     e.add(item)
-    steps = []
-    while e.busy:
-        t = time.perf_counter()
-        e.step()
-        steps.append(time.perf_counter() - t)
-        if len(steps) == 3:  # after the prefill and the first steps
-            cpu0 = time.process_time()
-    cpu = (time.process_time() - cpu0) / (len(steps) - 3)
-    return statistics.median(steps[3:-1]), cpu
+    steps = step_until_idle(e)[3:]  # after the prefill and the first steps
+    return statistics.median(w for w, _ in steps[:-1]), sum(c for _, c in steps) / len(steps)
 
 
 def graph_nodes(model) -> collections.Counter:

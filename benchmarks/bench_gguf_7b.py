@@ -28,6 +28,7 @@ CHILD = """
 import json, resource, sys, time
 import slotinfer
 from mlx.utils import tree_flatten
+from slotinfer.cli.bench import step_until_idle
 from slotinfer.engine import Engine
 
 def rss():
@@ -46,12 +47,8 @@ def engine(rows):  # (tokens, decode tokens/s of the median step: the prefill's 
     items = [e.make_item(p, max_tokens=new, ignore_eos=True) for p in rows]
     for it in items:
         e.add(it)
-    steps = []
-    while e.busy:
-        t = time.perf_counter()
-        e.step()
-        steps.append(time.perf_counter() - t)
-    step = sorted(steps[2:-1])[len(steps[2:-1]) // 2]
+    steps = [w for w, _ in step_until_idle(e)][2:-1]
+    step = sorted(steps)[len(steps) // 2]
     return [it.handle.result(0).tokens for it in items], len(rows) / step
 
 out["decode_tps_1"], out["decode_tps_2"] = [], []

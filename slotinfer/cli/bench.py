@@ -74,6 +74,17 @@ def prompts_of(model, n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def step_until_idle(engine) -> list[tuple[float, float]]:
+    """Step ``engine`` (a :class:`slotinfer.engine.Engine`) until it is idle: each step's wall and
+    process CPU seconds."""
+    times = []
+    while engine.busy:
+        t, c = time.perf_counter(), time.process_time()
+        engine.step()
+        times.append((time.perf_counter() - t, time.process_time() - c))
+    return times
+
+
 def engine_tokens_per_s(model, slots: int, prompt_tokens: int, gen_tokens: int, *, max_len=None, **engine) -> dict:
     """Run ``slots`` requests to completion on an Inferencer (``engine``: more of its arguments);
     aggregate and decode-only tokens/s."""

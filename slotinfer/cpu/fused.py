@@ -9,7 +9,7 @@ residual) and ``mlp_block`` (RMSNorm, gate|up, the activation, down and the resi
 compose the loops the separate nodes run, in their order, so they give their values bit for bit
 (the activation is the CPU ops' arithmetic, :mod:`.ops`).
 
-It applies where the context offers it (``ctx.fused_inputs``: the engine's paged decode view, and
+It applies where the context offers it (``ctx.fused_rope_tables``: the engine's paged decode view, and
 the single-sequence reference's decode of one token, so that "alone" still equals "batched") and
 the block has what the primitives compute: no sandwich norms, no biases but q|k|v's, float32
 activations and K/V, every linear layer in blocks (Llama, SmolLM, Qwen 2 and 3 checkpoints in GGUF
@@ -31,7 +31,7 @@ def _plain(layer) -> bool:
 def block(module, blk, x, ctx):
     """``blk``'s output for ``x`` [B, 1, hidden] in ``ctx`` as native nodes, or None where they do
     not apply (see the module docstring)."""
-    rope_tables = getattr(ctx, "fused_inputs", lambda layer: None)(blk.self_attn.layer)
+    rope_tables = getattr(ctx, "fused_rope_tables", lambda layer: None)(blk.self_attn.layer)
     if rope_tables is None or x.ndim != 3 or x.shape[1] != 1 or blk.sandwich:
         return None
     attn, mlp = blk.self_attn, blk.mlp

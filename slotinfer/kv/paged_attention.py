@@ -177,7 +177,7 @@ class PagedDecodeView:
             self._blocks = block_index(self.tables, k.shape[1])
         return PagedKV(self.keys[layer], self.values[layer], self.tables, self._blocks), None
 
-    def fused_inputs(self, layer):
+    def fused_rope_tables(self, layer):
         """The step's rope tables, where a block may run as native nodes (:mod:`slotinfer.cpu.fused`:
         one token a row, float32 pools); else None."""
         return self.rope_tables if self.keys[layer].dtype == mx.float32 else None
@@ -226,7 +226,7 @@ class PagedSequenceCache(SequenceCache):
             return k, v
         return PagedKV(self.keys[layer], self.values[layer], mx.arange(need, dtype=mx.int32)[None]), None
 
-    def fused_inputs(self, layer):
+    def fused_rope_tables(self, layer):
         """Rope tables for a block run as native nodes on the decode of one token (what the
         engine's :class:`PagedDecodeView` offers, so that this reference reads through the same
         loops); None before the prompt or for pools in another dtype than float32."""

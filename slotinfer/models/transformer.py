@@ -14,6 +14,8 @@ Attention context protocol::
                                        # ops, split) attends over K/V kept in blocks
     ctx.mask(layer, L, window)         # None, "causal", or a bool mask broadcastable to [B, 1, L, S]
     ctx.rope_tables                    # optional: a dict the layers of one decode step share (see RoPE)
+    ctx.fused_rope_tables(layer)       # optional: that dict where a block may run as native nodes, else None
+                                       # (slotinfer.cpu.fused, through Ops.fused_block)
 
 Projections are fused at load time (q|k|v into ``qkv_proj``, gate|up into
 ``gate_up_proj``): fewer, larger matmuls keep the BLAS busy on CPU.  So are Qwen 3's and

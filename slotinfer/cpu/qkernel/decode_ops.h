@@ -34,23 +34,42 @@ QK_INLINE float dot(const float* a, const float* b, int n) {
   return s;
 }
 
-// e ** x elementwise, as slotinfer.cpu.fastmath.exp computes it (its constants, Estrin's form),
-// and exactly 0 for -inf (a masked score).
-QK_INLINE void exp_inplace(float* x, int n) {
+// e ** x as slotinfer.cpu.fastmath.exp computes it: x = k ln 2 + r, |r| <= ln 2 / 2, and 2^k from
+// the exponent bits (0 where 2^k would be 2^-126 or less, so -inf gives exactly 0).  The polynomial
+// in r follows, in the form fastmath uses for the caller: Estrin's (softmax) or Horner's (MLP).
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                            1.6666665459e-1f, 5.0000001201e-1f};
+
+QK_INLINE float exp_reduce(float x, float& r) {
   const float log2e = 1.44269504088896341f, round = 12582912.0f, hi = 0.693359375f, lo = -2.12194440e-4f;
-  const float p0 = 1.9875691500e-4f, p1 = 1.3981999507e-3f, p2 = 8.3334519073e-3f, p3 = 4.1665795894e-2f,
-              p4 = 1.6666665459e-1f, p5 = 5.0000001201e-1f;
+  float c = std::min(std::max(x, -87.0f), 88.0f);
+  float k = (c * log2e + round) - round;
+  r = (c - k * hi) - k * lo;
+  int32_t bits = k < -125.5f ? 0 : ((int32_t)k + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, 4);
+  return two_k;
+}
+
+// e ** x elementwise in place, Estrin's form (the softmax's)
+QK_INLINE void exp_inplace(float* x, int n) {
+  const float* P = EXP_P;
   for (int i = 0; i < n; ++i) {
-    float c = std::min(std::max(x[i], -87.0f), 88.0f);
-    float k = (c * log2e + round) - round;
-    float r = (c - k * hi) - k * lo;
-    int32_t bits = k < -125.5f ? 0 : ((int32_t)k + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, 4);
+    float r;
+    const float two_k = exp_reduce(x[i], r);
     float r2 = r * r;
-    float p = ((p0 * r + p1) * r2 + (p2 * r + p3)) * r2 + (p4 * r + p5);
+    float p = ((P[0] * r + P[1]) * r2 + (P[2] * r + P[3])) * r2 + (P[4] * r + P[5]);
     x[i] = (p * r2 + r + 1.0f) * two_k;
   }
+}
+
+// e ** x, Horner's form (the MLP's activations)
+QK_INLINE float exp_horner(float x) {
+  float r;
+  const float two_k = exp_reduce(x, r);
+  float p = EXP_P[0];
+  for (int i = 1; i < 6; ++i) p = p * r + EXP_P[i];
+  return (p * (r * r) + r + 1.0f) * two_k;
 }
 
 struct AttendJob {
@@ -142,24 +161,6 @@ QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) {
       default: attend_row<0>(j, b, s);
     }
   }
-}
-
-// e ** x as slotinfer.cpu.fastmath.exp computes it in Horner's form (the MLP's activations use it).
-QK_INLINE float exp_horner(float x) {
-  const float log2e = 1.44269504088896341f, round = 12582912.0f, hi = 0.693359375f, lo = -2.12194440e-4f;
-  float c = std::min(std::max(x, -87.0f), 88.0f);
-  float k = (c * log2e + round) - round;
-  float r = (c - k * hi) - k * lo;
-  int32_t bits = k < -125.5f ? 0 : ((int32_t)k + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &bits, 4);
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  return (p * (r * r) + r + 1.0f) * two_k;
 }
 
 // The gated activations of the MLP on rows of [gate | up] (each n wide) into y [rows, n]:

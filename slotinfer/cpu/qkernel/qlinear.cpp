@@ -162,17 +162,7 @@ struct Operand {
   const T* packed(std::vector<T>& buf) const {
     if (dense || size == 0) return base;
     buf.resize(size);
-    std::vector<int64_t> at(shape.size(), 0);
-    int64_t off = 0;
-    for (size_t i = 0; i < size; ++i) {
-      buf[i] = base[off];
-      for (int d = (int)shape.size() - 1; d >= 0; --d) {  // the next index, last axis fastest
-        off += strides[d];
-        if (++at[d] < shape[d]) break;
-        off -= strides[d] * shape[d];
-        at[d] = 0;
-      }
-    }
+    copy_out(reinterpret_cast<uint8_t*>(buf.data()), sizeof(T));
     return buf.data();
   }
 
@@ -180,10 +170,17 @@ struct Operand {
   const void* packed_as(std::vector<uint8_t>& buf, int width) const {
     if (dense || size == 0) return base;
     buf.resize(size * width);
+    copy_out(buf.data(), width);
+    return buf.data();
+  }
+
+ private:
+  void copy_out(uint8_t* dst, int width) const {  // the elements in row-major order, last axis fastest
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(base);
     std::vector<int64_t> at(shape.size(), 0);
     int64_t off = 0;
     for (size_t i = 0; i < size; ++i) {
-      std::memcpy(buf.data() + i * width, reinterpret_cast<const uint8_t*>(base) + off * width, width);
+      std::memcpy(dst + i * width, src + off * width, width);
       for (int d = (int)shape.size() - 1; d >= 0; --d) {
         off += strides[d];
         if (++at[d] < shape[d]) break;
@@ -191,51 +188,7 @@ struct Operand {
         at[d] = 0;
       }
     }
-    return buf.data();
   }
-};
-
-class QuantizedLinear : public mx::Primitive {
- public:
-  QuantizedLinear(mx::Stream s, qk::Format f) : mx::Primitive(s), format_(f) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const mx::array& x = inputs[0];
-    const mx::array& w = inputs[1];
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(x);
-    enc.set_input_array(w);
-    enc.set_output_array(out);
-    int k = x.shape(-1), n = w.shape(0);
-    int m = (int)(x.size() / std::max(k, 1));
-    enc.dispatch([f = format_, xs = Operand<float>(x), ws = Operand<uint8_t>(w), op = out.data<float>(), m, k, n]() {
-      thread_local std::vector<float> xbuf;
-      thread_local std::vector<uint8_t> wbuf;
-      run(f, xs.packed(xbuf), ws.packed(wbuf), op, m, k, n, true);
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("QuantizedLinear has no GPU kernel: use mx.quantized_matmul there");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    mx::Shape shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(0);
-    return {shape};
-  }
-
-  const char* name() const override { return "QuantizedLinear"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto* o = dynamic_cast<const QuantizedLinear*>(&other);
-    return o && o->format_ == format_;
-  }
-
- private:
-  qk::Format format_;
 };
 
 // A primitive whose inputs are read as row-contiguous float32 (packed at run time when they are not)
@@ -289,6 +242,33 @@ class Rowwise : public mx::Primitive {
   }
 };
 
+class QuantizedLinear : public Rowwise {
+ public:
+  QuantizedLinear(mx::Stream s, qk::Format f) : Rowwise(s), format_(f) {}
+  const char* name() const override { return "QuantizedLinear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const QuantizedLinear*>(&other);
+    return o && o->format_ == format_;
+  }
+
+ protected:
+  mx::Shape out_shape(const std::vector<mx::array>& in) const override {
+    mx::Shape shape = in[0].shape();
+    shape.back() = in[1].shape(0);
+    return shape;
+  }
+  Fn body(const std::vector<mx::array>& in) const override {
+    const int k = in[0].shape(-1), n = in[1].shape(0), m = (int)(in[0].size() / std::max(k, 1));
+    const qk::Format f = format_;
+    return [=](const std::vector<const float*>& x, const std::vector<const void*>& w, float* out) {
+      run(f, x[0], static_cast<const uint8_t*>(w[0]), out, m, k, n, true);
+    };
+  }
+
+ private:
+  qk::Format format_;
+};
+
 class RmsNorm : public Rowwise {
  public:
   RmsNorm(mx::Stream s, float eps) : Rowwise(s), eps_(eps) {}
@@ -331,6 +311,23 @@ class RopeApply : public Rowwise {
   }
 };
 
+// An attention job's sizes, for B rows of `heads` query heads over `keys` [blocks, kvh, bs, D]
+// through `tables` [B, nblk], under `mask` (bool, one row of the span for all rows or one each).
+qk::AttendJob attend_job(int B, int heads, const mx::array& keys, const mx::array& tables, const mx::array* mask,
+                         float scale, float softcap) {
+  qk::AttendJob j{};
+  j.B = B;
+  j.H = heads;
+  j.kvh = keys.shape(1);
+  j.bs = keys.shape(2);
+  j.D = keys.shape(3);
+  j.nblk = tables.shape(1);
+  j.scale = scale;
+  j.softcap = softcap;
+  j.mask_per_row = mask && mask->size() != (size_t)j.nblk * j.bs;
+  return j;
+}
+
 class PagedDecodeAttention : public Rowwise {
  public:
   PagedDecodeAttention(mx::Stream s, float scale, float softcap) : Rowwise(s), scale_(scale), softcap_(softcap) {}
@@ -345,17 +342,9 @@ class PagedDecodeAttention : public Rowwise {
   // and optionally a bool mask [B or 1, ..., span]
   mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[0].shape(); }
   Fn body(const std::vector<mx::array>& in) const override {
-    qk::AttendJob j{};
-    j.B = in[0].shape(0);
-    j.H = in[0].shape(1);
-    j.D = in[0].shape(3);
-    j.kvh = in[1].shape(1);
-    j.bs = in[1].shape(2);
-    j.nblk = in[3].shape(1);
-    j.scale = scale_;
-    j.softcap = softcap_;
-    j.mask_per_row = in.size() > 4 && in[4].shape(0) != 1;
     bool masked = in.size() > 4;
+    qk::AttendJob j = attend_job(in[0].shape(0), in[0].shape(1), in[1], in[3], masked ? &in[4] : nullptr, scale_,
+                                 softcap_);
     return [=](const std::vector<const float*>& f, const std::vector<const void*>& o, float* out) mutable {
       j.q = f[0];
       j.keys = f[1];
@@ -371,13 +360,10 @@ class PagedDecodeAttention : public Rowwise {
   float scale_, softcap_;
 };
 
-// A whole sub-block of a decode step as one node, for a pre-norm layer whose linear layers are in
-// GGUF blocks.  Each is the composition of the loops the separate nodes run, in the same order, so
-// the attention block gives what RMSNorm, q|k|v, rope, the K/V writes, paged attention, o and the
-// residual add give as separate nodes, bit for bit; the MLP block adds the activation of ops.py.
-
-// The attention half of a pre-norm block for one new token per row, as two nodes around the K/V
-// writes (which stay MLX scatters, so the pools are written in place):
+// Sub-blocks of a decode step's pre-norm layer whose linear layers are in GGUF blocks, each one node
+// composing the loops the separate nodes run, in the same order (the same values, bit for bit).
+// The attention half, for one new token per row, is two nodes around the K/V writes (which stay
+// MLX scatters, so the pools are written in place):
 //   qkv_rope:   rope(qk_norm(qkv(rms_norm(x) * w_norm) + bias)) -> [B, 1, (heads + 2 kv_heads) D]
 //   attend_out: x + o(attention of its queries over the pools' blocks)
 
@@ -447,17 +433,8 @@ class AttendOut : public Rowwise {
  protected:
   mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[3].shape(); }
   Fn body(const std::vector<mx::array>& in) const override {
-    qk::AttendJob j{};
-    j.B = in[0].shape(0);
-    j.H = heads_;
-    j.kvh = in[1].shape(1);
-    j.bs = in[1].shape(2);
-    j.D = in[1].shape(3);
-    j.nblk = in[4].shape(1);
-    j.scale = scale_;
-    j.softcap = softcap_;
+    qk::AttendJob j = attend_job(in[0].shape(0), heads_, in[1], in[4], &in[5], scale_, softcap_);
     j.q_stride = in[0].shape(-1);
-    j.mask_per_row = in[5].size() != (size_t)(j.nblk * j.bs);
     const int hid = in[3].shape(-1);
     const qk::Format f = f_;
     return [=](const std::vector<const float*>& fp, const std::vector<const void*>& o, float* out) mutable {
@@ -557,26 +534,29 @@ mx::array rope_apply(const mx::array& x, const mx::array& cos, const mx::array& 
   return mx::array(x.shape(), mx::float32, std::make_shared<RopeApply>(stream), {x, cos, sin});
 }
 
+// The pools, block tables and mask of attention over blocks for B rows of `heads` query heads of size D.
+void need_paged(const mx::array& keys, const mx::array& values, const mx::array& tables, const mx::array* mask, int B,
+                int heads, int D) {
+  need_f32(keys, "keys");
+  need_f32(values, "values");
+  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.shape(3) != D || heads % keys.shape(1) != 0)
+    throw std::invalid_argument("keys and values must be [blocks, kv_heads, block_size, D], kv_heads dividing heads");
+  if (tables.dtype() != mx::int32 || tables.ndim() != 2 || tables.shape(0) != B)
+    throw std::invalid_argument("tables must be int32 [B, blocks]");
+  size_t span = (size_t)tables.shape(1) * keys.shape(2);
+  if (mask && (mask->dtype() != mx::bool_ || (size_t)mask->shape(-1) != span ||
+               (mask->size() != span && mask->size() != span * B)))
+    throw std::invalid_argument("mask must be bool with one row of the tables' span for every row, or one for all");
+}
+
 mx::array paged_decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
                                  const mx::array& tables, const std::optional<mx::array>& mask, float scale,
                                  float softcap, mx::StreamOrDevice s) {
   need_f32(q, "q");
-  need_f32(keys, "keys");
-  need_f32(values, "values");
   if (q.ndim() != 4 || q.shape(2) != 1) throw std::invalid_argument("q must be [B, heads, 1, D]");
-  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.shape(3) != q.shape(3) ||
-      q.shape(1) % keys.shape(1) != 0)
-    throw std::invalid_argument("keys and values must be [blocks, kv_heads, block_size, D], kv_heads dividing heads");
-  if (tables.dtype() != mx::int32 || tables.ndim() != 2 || tables.shape(0) != q.shape(0))
-    throw std::invalid_argument("tables must be int32 [B, blocks]");
+  need_paged(keys, values, tables, mask ? &*mask : nullptr, q.shape(0), q.shape(1), q.shape(3));
   std::vector<mx::array> in{q, keys, values, tables};
-  if (mask) {
-    int span = tables.shape(1) * keys.shape(2);
-    if (mask->dtype() != mx::bool_ || mask->shape(-1) != span || mask->size() % span != 0 ||
-        (mask->size() / span != 1 && mask->size() / span != (size_t)q.shape(0)))
-      throw std::invalid_argument("mask must be bool with one row of the tables' span for every row, or one for all");
-    in.push_back(*mask);
-  }
+  if (mask) in.push_back(*mask);
   auto stream = mx::to_stream(cpu_only(s, "paged_decode_attention"));
   return mx::array(q.shape(), mx::float32, std::make_shared<PagedDecodeAttention>(stream, scale, softcap), std::move(in));
 }
@@ -626,22 +606,17 @@ mx::array qkv_rope(const mx::array& x, const mx::array& w_norm, float eps, const
 mx::array attend_out(const mx::array& qkv, const mx::array& keys, const mx::array& values, const mx::array& tables,
                      const mx::array& mask, const mx::array& w_o, const std::string& fmt_o, const mx::array& x,
                      int heads, float scale, float softcap, mx::StreamOrDevice s) {
-  for (auto* a : {&qkv, &keys, &values, &x}) need_f32(*a, "qkv, the pools and x");
+  for (auto* a : {&qkv, &x}) need_f32(*a, "qkv and x");
   if (x.ndim() != 3 || x.shape(1) != 1) throw std::invalid_argument("x must be [B, 1, hidden]");
   int B = x.shape(0), hid = x.shape(2);
-  if (keys.ndim() != 4 || keys.shape() != values.shape() || heads % keys.shape(1) != 0)
-    throw std::invalid_argument("keys and values must be [blocks, kv_heads, block_size, D], kv_heads dividing heads");
+  if (keys.ndim() != 4) throw std::invalid_argument("keys must be [blocks, kv_heads, block_size, D]");
   int kvh = keys.shape(1), D = keys.shape(3);
+  need_paged(keys, values, tables, &mask, B, heads, D);
   if (qkv.ndim() != 3 || qkv.shape(0) != B || qkv.shape(1) != 1 || qkv.shape(2) != (heads + 2 * kvh) * D)
     throw std::invalid_argument("qkv must be [B, 1, (heads + 2 kv_heads) D]");
   qk::Format f = parse_format(fmt_o);
   need_blocks(w_o, heads * D, f, "w_o");
   if (w_o.shape(0) != hid) throw std::invalid_argument("w_o must have hidden rows");
-  if (tables.dtype() != mx::int32 || tables.ndim() != 2 || tables.shape(0) != B)
-    throw std::invalid_argument("tables must be int32 [B, blocks]");
-  size_t span = (size_t)tables.shape(1) * keys.shape(2);
-  if (mask.dtype() != mx::bool_ || (size_t)mask.shape(-1) != span || (mask.size() != span && mask.size() != span * B))
-    throw std::invalid_argument("mask must be bool with one row of the tables' span for every row, or one for all");
   auto stream = mx::to_stream(cpu_only(s, "attend_out"));
   return mx::array(x.shape(), mx::float32, std::make_shared<AttendOut>(stream, f, heads, scale, softcap),
                    {qkv, keys, values, x, tables, mask, w_o});
