@@ -43,15 +43,27 @@ inline void cpu_relax() {
 #endif
 }
 
-// Waits for `cell` to differ from `old`: a short spin (spin_us microseconds; the next product of a
-// decode step usually comes within it), then asleep in the kernel (futex), never spinning on.
+// Waits for `cell` to differ from `old`: a spin of spin_us microseconds (the next product of a decode
+// step usually comes within it), then asleep in the kernel (futex), never spinning on.  Past its
+// first 20 us the spin yields the core at each turn, so that a thread with work to do (the stream
+// thread, the engine's, another process) runs first where the cores are all taken.
 template <class T>
 T await_change(std::atomic<T>& cell, T old, int spin_us) {
   T now;
-  auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us);
+  auto start = std::chrono::steady_clock::now();
+  auto until = start + std::chrono::microseconds(spin_us), polite = start + std::chrono::microseconds(20);
+  bool yielding = false;
   for (int i = 0; (now = cell.load(std::memory_order_acquire)) == old; ++i) {
-    if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) {
-      cell.wait(old, std::memory_order_acquire);
+    if ((i & 63) == 63 || yielding) {
+      auto t = std::chrono::steady_clock::now();
+      if (t > until) {
+        cell.wait(old, std::memory_order_acquire);
+        continue;
+      }
+      yielding = t > polite;
+    }
+    if (yielding) {
+      std::this_thread::yield();
     } else {
       cpu_relax();
     }
@@ -93,9 +105,12 @@ class Pool {
 
  private:
   void work(int index, uint32_t seen) {
+    bool used = true;
     for (;;) {
-      seen = await_change(epoch_, seen, spin_us);
-      if (index < n_) (*fn_)(index);
+      // a worker the last product did not use (fewer threads now than were started) sleeps at once
+      seen = await_change(epoch_, seen, used ? spin_us : 0);
+      used = index < n_;
+      if (used) (*fn_)(index);
       if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
     }
   }
