@@ -465,35 +465,6 @@ def test_a_classify_whose_client_left_stops_at_its_next_batch(model):
         assert r.status_code == 200 and time.monotonic() - t0 < 2, time.monotonic() - t0
 
 
-def test_the_pages_command_and_client_snippet_work_together(model_dir, tmp_path):
-    """docs/serve.md's `slotinfer serve` line (on a GGUF of the name it shows) and its openai snippet,
-    as written but for the file's folder and the port: the snippet's model name is the served one."""
-    pytest.importorskip("gguf")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from gguf_fixtures import write_gguf
-
-    page = (Path(__file__).resolve().parent.parent / "docs" / "serve.md").read_text()
-    [command] = [line for block in re.findall(r"```sh\n(.*?)```", page, re.S) for line in block.splitlines()
-                 if line.startswith("slotinfer serve ")][:1]
-    snippet = re.findall(r"```python\n(.*?)```", page, re.S)[0]
-    args = command.split("#")[0].split()[2:]
-    [file] = [a for a in args if a.endswith(".gguf")]
-    gguf_path = write_gguf(model_dir("qwen3"), tmp_path / Path(file).name)
-    args = [str(gguf_path) if a == file else a for a in args]
-    proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", *args, "--port", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        url = next(m.group(1) for line in proc.stderr if (m := re.search(r"running on (http://[\d.:]+)", line)))
-        assert "http://127.0.0.1:8000" in snippet
-        out = subprocess.run([sys.executable, "-c", snippet.replace("http://127.0.0.1:8000", url)],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        proc.stderr.close()
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_what_a_huge_prompt_took_is_given_back(model_dir):
     """Tokenizing 4 MB takes hundreds of MB, which glibc would keep for good: the server's RSS after

@@ -5,7 +5,6 @@ refused by name."""
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import openai
@@ -208,16 +207,3 @@ def test_logit_bias_and_penalties_reach_the_step(served):
     r = client.completions.create(model=NAME, prompt="Once", max_tokens=5, temperature=0, presence_penalty=1.5,
                                   frequency_penalty=-0.5)
     assert r.usage.completion_tokens >= 1
-
-
-@landed
-def test_the_tool_calling_page_runs(smollm2, capsys):
-    """docs/tool-calling.md's openai example, as written but for the port, against SmolLM2."""
-    page = (Path(__file__).parent.parent / "docs" / "tool-calling.md").read_text()
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "openai" in b]
-    with slotinfer.Inferencer(smollm2, slots=2, max_len=2048) as inf:
-        with serving(build_app(inf, served_model_name="SmolLM2-135M-Instruct")) as url:
-            assert "http://127.0.0.1:8000" in block
-            exec(compile(block.replace("http://127.0.0.1:8000", url), "tool-calling.md", "exec"), {})
-    first, *rest = capsys.readouterr().out.splitlines()
-    assert first.startswith("get_weather {'city': ") and rest, first
