@@ -142,14 +142,7 @@ def _penalties(body, params: dict):
     if bias:
         if not isinstance(bias, dict):
             raise bad_param("logit_bias", f"'logit_bias' must be an object of token id: bias, got {short(bias)}")
-        ids = {}
-        for key, value in bias.items():
-            try:
-                ids[int(key)] = value
-            except ValueError:
-                raise bad_param("logit_bias", f"'logit_bias' keys must be token ids (integers, as strings), got "
-                                              f"{short(key)}") from None
-        params["logit_bias"] = _library("logit_bias", ids)
+        params["logit_bias"] = _library("logit_bias", bias)  # keys: a token id's decimal text, as JSON has it
 
 
 # vLLM's structured_outputs keys -> the library's parameters; guided_X is the older spelling of each
