@@ -252,6 +252,7 @@ class _Server:
     async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint):
         rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0))) for h in handles]
         everything = asyncio.gather(*rows)
+        everything.add_done_callback(_retrieved)  # cancelled when the client leaves: no one else reads it
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait([everything, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -443,6 +444,13 @@ class _Server:
 
     async def _json(self, request: Request) -> dict:
         return await read_json(request, self.max_body, self.read_timeout)
+
+
+def _retrieved(future: asyncio.Future):
+    """Mark ``future``'s outcome as read: a gather cancelled with its client ends holding a CancelledError
+    that asyncio would otherwise log, with a traceback, as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _cached(req, results) -> int:
