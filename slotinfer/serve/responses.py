@@ -6,17 +6,23 @@ import json
 import time
 import uuid
 
-from ..tools import StreamParser, ToolCall, parse
+from ..tools import RepeatWatch, StreamParser, ToolCall, first_repeat, parse
 
 
 class Shaper:
     """Builds the bodies of one request (one id, one ``created``), completion or chat."""
 
-    def __init__(self, chat: bool, model: str, token_text: TokenText, tool_format: str | None = None):
+    def __init__(self, chat: bool, model: str, token_text: TokenText, tool_format: str | None = None, *,
+                 stop_repeats: bool = False):
         self.chat, self.model = chat, model
         self.tool_format = tool_format  # chat with tools: replies are parsed for calls in this format
         self._parsers: dict[int, StreamParser] = {}
         self._calls: dict[int, int] = {}  # tool calls streamed so far, per choice
+        # a forced reply with parallel calls ends at its first call that repeats an earlier one (dropped)
+        self.stop_repeats = stop_repeats
+        self._watches: dict[int, RepeatWatch] = {}
+        self.repeated: set[int] = set()  # choices whose reply repeated a call: the server stops their rows
+        self._streamed: dict[int, list] = {}  # the calls streamed so far, per choice; None once one repeated
         self.token_text = lambda t: token_text(t)[0]
         self.token_bytes = lambda t: list(token_text(t)[1])
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -36,10 +42,13 @@ class Shaper:
                       "logprobs": self.logprobs(c.tokens, c.logprobs, c.top_logprobs) if lp else None}
             if self.chat and self.tool_format:
                 content, calls = parse(c.text, self.tool_format)
+                repeat = first_repeat(calls) if self.stop_repeats else None
+                if repeat is not None:  # stopped at the repeat: the calls before it, nothing after
+                    content, calls = None, calls[:repeat]
                 choice["message"] = {"role": "assistant", "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = [call.openai() for call in calls]
-                    if c.finish_reason != "length":  # a reply cut short says so, whatever calls it holds
+                    if c.finish_reason != "length" or repeat is not None:  # a reply cut short says so
                         choice["finish_reason"] = "tool_calls"
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
@@ -68,9 +77,20 @@ class Shaper:
         return [self.chunk(index, "".join(p for p in parts if isinstance(p, str)), logprobs=logprobs),
                 *self._call_chunks(index, parts)]
 
+    def watch(self, index: int, text: str) -> bool:
+        """Whether choice ``index``'s reply, with ``text`` added, repeated a call (with ``stop_repeats``):
+        its row is to be stopped, and nothing it writes after ``text`` is read."""
+        if not self.stop_repeats or index in self.repeated:
+            return index in self.repeated
+        if self._watches.setdefault(index, RepeatWatch(self.tool_format)).feed(text):
+            self.repeated.add(index)
+        return index in self.repeated
+
     def end_chunks(self, index: int, reason: str) -> list[str]:
         """The last chunks of a choice: with tools, what was held back, then the finish reason."""
         out = []
+        if index in self.repeated:
+            reason = "tool_calls"
         if self.tool_format:
             parser = self._parser(index)
             parts = parser.finish()
@@ -89,6 +109,12 @@ class Shaper:
         out = []
         for call in parts:
             if isinstance(call, ToolCall):
+                if self.stop_repeats:  # the first repeat and whatever follows it are dropped
+                    seen = self._streamed.setdefault(index, [])
+                    if seen and seen[-1] is None or first_repeat([*seen, call]) is not None:
+                        seen.append(None)
+                        continue
+                    seen.append(call)
                 k = self._calls[index] = self._calls.get(index, -1) + 1
                 head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
                 out += [self._delta(index, {"tool_calls": [head]}),

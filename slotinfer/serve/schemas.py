@@ -289,7 +289,24 @@ def _tools(body, req: GenerateRequest):
     if req.tool_choice != "auto" and req.constrained_by:
         raise bad_param(req.constrained_by, f"'tool_choice' {short(choice)} constrains the output to a tool call "
                                             f"already; leave out '{req.constrained_by}', or set tool_choice to 'auto'")
+    if req.tool_choice != "auto":
+        for i, t in enumerate(checked):
+            _check_forced(t["function"], i, req.tool_choice, choice)
     req.tools = checked
+
+
+def _check_forced(fn: dict, i: int, forced: str, choice):
+    """A forced call's arguments are a JSON object: a function that may be forced (every one with
+    "required", else the one named) must not declare its parameters as anything else."""
+    kind = fn.get("parameters", {}).get("type", "object")
+    others = {"string", "number", "integer", "boolean", "array", "null"}  # JSON Schema's (other names: 400 at compile)
+    if forced not in ("required", fn["name"]) or (kind not in others if isinstance(kind, str) else
+                                                  not isinstance(kind, list) or "object" in kind):
+        return
+    where = f"tools[{i}].function.parameters"
+    raise bad_param(where, f"{where} has type {short(kind)}, but a call's arguments are a JSON object: with "
+                           f"'tool_choice' {short(choice)} the call is forced, so give the function "
+                           f"{{'type': 'object', 'properties': {{...}}}} parameters")
 
 
 def _tool(t, i) -> dict:
