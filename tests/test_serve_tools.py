@@ -112,6 +112,9 @@ def _bad(client, **kw):
     (dict(messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
      "messages[1].tool_calls[0].function.arguments", "JSON object"),
+    *[(dict(messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": ' * n + "1" + "}" * n}}]}]),
+       "messages[1].tool_calls[0].function.arguments", "nests deeper") for n in (65, 5000)],
 ])
 def test_bad_tool_and_constraint_fields_are_400_naming_them(served, kw, param, words):
     err = _bad(served[1], **kw)

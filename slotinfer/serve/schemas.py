@@ -23,6 +23,7 @@ from .errors import bad_param
 MAX_N = 64  # choices per request: each is a slot's worth of work
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_TOOLS = 128  # as OpenAI's API
+MAX_ARGUMENT_DEPTH = 64  # levels an earlier call's arguments may nest: the prompt's renderers recurse on them
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's API
 
 # The fields each endpoint takes (docs/serve.md): OpenAI's, then slotinfer's extensions (vLLM's among them).
@@ -364,15 +365,34 @@ def _message_calls(calls, where) -> list:
             raise bad_param(at, f"{at} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
                                 f"'arguments': '{{...}}'}}}}, got {short(c)}")
         args = fn.get("arguments", "{}")
+        value, deep = None, False
         try:
-            ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
+            value = json.loads(args) if isinstance(args, str) else args
+            deep = _depth(value) > MAX_ARGUMENT_DEPTH
         except ValueError:
-            ok = False
-        if not ok:
+            pass
+        except RecursionError:
+            deep = True
+        if deep:
+            raise bad_param(f"{at}.function.arguments", f"{at}.function.arguments nests deeper than "
+                                                        f"{MAX_ARGUMENT_DEPTH} levels; flatten the call's arguments")
+        if not isinstance(value, dict):
             raise bad_param(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object (as text), "
                                                         f"got {short(args)}")
         out.append({**c, "function": {**fn, "arguments": args}})
     return out
+
+
+def _depth(value) -> int:
+    """How deep a JSON value nests (counted up to one past MAX_ARGUMENT_DEPTH), without recursion."""
+    most, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            most = max(most, d)
+            if d <= MAX_ARGUMENT_DEPTH:
+                todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return most
 
 
 def parse_classify(body: dict, limits: ClassifyLimits) -> ClassifyRequest:
