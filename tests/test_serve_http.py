@@ -104,7 +104,9 @@ def test_full_queue_is_429_at_once_and_others_go_on(model):
                     r = httpx.post(url + "/v1/completions", json={"prompt": "third", "max_tokens": 2})
                     assert time.monotonic() - t0 < 5
                     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
-                    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+                    err = r.json()["error"]
+                    assert err["code"] == "rate_limit_exceeded" and "block=True" not in err["message"]
+                    assert "Retry-After" in err["message"] and "--max-queue" in err["message"], err
                     assert next(x for x in first if x).startswith("data: ")  # the running stream goes on
         _until(lambda: inf.stats()["active_slots"] == 0 and inf.stats()["waiting"] == 0)
         assert httpx.post(url + "/v1/completions", json={"prompt": "later", "max_tokens": 2}).status_code == 200
