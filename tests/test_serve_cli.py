@@ -79,6 +79,21 @@ def test_bad_generate_flags_are_usage_errors(folder, capsys, flag, value):
 def test_serve_without_a_model_is_a_usage_error(capsys):
     rc, _, err = _cli(["serve"], capsys)
     assert rc == 2 and "model" in err
+    rc, _, err = _cli(["serve", "models/a", "--model", "models/b"], capsys)  # --model as every command takes it
+    assert rc == 2 and "'models/a'" in err and "'models/b'" in err and "once" in err, err
+
+
+def test_serve_help_gives_the_defaults_and_how_the_server_samples(capsys):
+    rc, out, _ = _cli(["serve", "--help"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0 and "--model MODEL" in text and "--prefill-tokens N" in text
+    for flag, default in [("--port PORT", "8000"), ("--slots SLOTS", "32"), ("--prefill-tokens N", "512"),
+                          ("--max-queue MAX_QUEUE", "64"), ("--grace-period GRACE_PERIOD", "10.0"),
+                          ("--read-timeout READ_TIMEOUT", "30.0"), ("--log-level", "info")]:
+        after = text[text.index(flag + " ", text.index("options:")):]
+        assert f"(default: {default})" in after[2:].split(" --")[0], (flag, after[:300])
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "temperature is sampled at 1.0, as OpenAI's API does" in text and "generate is greedy" in text
 
 
 def test_install_advice_is_the_checkouts():

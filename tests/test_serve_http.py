@@ -336,6 +336,37 @@ def _serve(model_dir, *flags):
     raise AssertionError("the server did not report its address: " + proc.stderr.read())
 
 
+def test_the_server_compiles_its_steps_before_its_address_and_counts_none_of_it(model_dir):
+    """``serve --model M --prefill-tokens N`` (the flags every other command and docs/serve.md use) runs
+    one short request before it prints its address, so the first client does not wait for MLX to
+    compile the steps; /metrics counts only what clients send."""
+    proc = subprocess.Popen([sys.executable, "-m", "slotinfer", "serve", "--model", str(model_dir("qwen3")),
+                             "--prefill-tokens", "128", "--port", "0", "--slots", "2", "--max-len", "256"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        before = []
+        for line in proc.stderr:
+            m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                break
+            before.append(line)
+        assert m, "".join(before)
+        assert any(re.match(r"slotinfer serve: prefill and decode steps compiled in \d+\.\d s$", b) for b in before)
+        url = m.group(1)
+        metrics = httpx.get(url + "/metrics").text
+        for name in ("prefix_cache_queries_total", "decode_tokens_per_second", "prefill_tokens_per_second",
+                     "preempted_total"):
+            assert f"slotinfer_{name} 0.0" in metrics, name
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+        metrics = httpx.get(url + "/metrics").text
+        assert 'slotinfer_requests_total{endpoint="completions",outcome="ok"} 1.0' in metrics
+        assert float(re.search(r"^slotinfer_decode_tokens_per_second (\S+)$", metrics, re.M)[1]) > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        proc.stderr.close()
+
+
 def test_past_the_grace_period_every_request_ends_once_with_its_answer(model_dir):
     """Requests still running when --grace-period runs out end as docs/serve.md says: a stream with an
     error event and [DONE], a whole request (a classify too) with a JSON 503; no traceback, and exit 0."""
