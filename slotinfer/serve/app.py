@@ -56,6 +56,7 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_page, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model_page, methods=["GET"]),  # a served name may be org/name
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/classify", server.classify, methods=["POST"]),
@@ -117,9 +118,20 @@ class _Server:
 
     async def models(self, request: Request):
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.name, "object": "model", "created": self.created, "owned_by": "slotinfer",
-             "max_model_len": self.inf.engine.max_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_page(self, request: Request):
+        """``GET /v1/models/{name}``, as the openai client's ``models.retrieve`` asks: the served model, else 404."""
+        try:
+            self._authorize(request)
+            self._check_model(request.path_params["name"])
+        except APIError as e:
+            return e.response()
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "slotinfer",
+                "max_model_len": self.inf.engine.max_len}
 
     # -- generation -----------------------------------------------------------------
 
