@@ -65,8 +65,14 @@ def test_logprobs_are_recorded(folder, model, capsys):
     [rec] = [json.loads(x) for x in out.splitlines()]
     with slotinfer.Inferencer(model, slots=1, max_len=64) as inf:
         want = inf.generate("Hello", max_tokens=5, logprobs=True, top_logprobs=2)
-    assert rec["tokens"] == want.tokens and rec["logprobs"] == pytest.approx(want.logprobs)
-    assert [[t for t, _ in top] for top in rec["top_logprobs"]] == [[t for t, _ in top] for top in want.top_logprobs]
+    # tokens by their text, as the server's logprobs show them (each token decoded alone), ids beside
+    text = model.tokenizer.decode
+    assert rec["tokens"] == [text([t]) for t in want.tokens] and rec["token_ids"] == want.tokens
+    assert rec["logprobs"] == pytest.approx(want.logprobs)
+    assert [[(e["token"], e["id"]) for e in top] for top in rec["top_logprobs"]] == \
+        [[(text([t]), t) for t, _ in top] for top in want.top_logprobs]
+    assert [e["logprob"] for top in rec["top_logprobs"] for e in top] == \
+        pytest.approx([v for top in want.top_logprobs for _, v in top])
 
 
 @pytest.mark.parametrize("flag,value", [("--min-p", "1.5"), ("--repetition-penalty", "0"), ("--stop", ""),
