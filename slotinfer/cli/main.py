@@ -18,6 +18,11 @@ def _version() -> str:
 
 
 def main(argv=None) -> int:
+    from .._package import shadowed
+
+    if shadowed():  # `python -m slotinfer` from the folder above a checkout
+        print(f"slotinfer: error: {shadowed()}", file=sys.stderr)
+        return 2
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 128 + SIGINT, no traceback
