@@ -41,7 +41,8 @@ MAX_GRAMMAR = 1 << 20  # characters of a JSON schema, regex or grammar; compilin
 MAX_CHOICES = 4096
 MAX_BIAS = 1024  # token ids one logit_bias may name (OpenAI's API allows 300)
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # at most one per request
-_TOKEN_ID_TEXT = re.compile(r"0|[1-9][0-9]{0,10}")  # a logit_bias key as JSON carries a token id: "5", not " 5", "+5", "05"
+# a logit_bias key as JSON carries a token id: "5", not " 5", "+5", "05" or full-width digits
+_TOKEN_ID_TEXT = re.compile(r"0|[1-9][0-9]{0,10}")
 
 
 @dataclass(frozen=True)

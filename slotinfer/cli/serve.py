@@ -51,7 +51,8 @@ def add_parser(sub):
                    help="require 'Authorization: Bearer KEY' (default: $SLOTINFER_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name, the GGUF file's name "
                         "without .gguf and its quantization suffix, or the hub id)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get 413 (default: 8388608, 8 MiB)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
+                   help="larger request bodies get 413 (default: 8388608, 8 MiB)")
     p.add_argument("--read-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive; a slower one gets 408")
     p.add_argument("--grace-period", type=float, default=10.0,

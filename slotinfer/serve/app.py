@@ -263,7 +263,8 @@ class _Server:
         return handles, sum(map(len, prompts))
 
     async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint):
-        rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0), shaper, i)) for i, h in enumerate(handles)]
+        rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0), shaper, i))
+                for i, h in enumerate(handles)]
         everything = asyncio.gather(*rows)
         everything.add_done_callback(_retrieved)  # cancelled when the client leaves: no one else reads it
         gone = asyncio.ensure_future(disconnected(request))
