@@ -135,7 +135,8 @@ def warm_up(inf) -> float:
     prefill and the decode step on first use, on the Inferencer's worker thread, where they then stay,
     so the first client does not wait for that.  The app's metrics count from after it."""
     t0 = time.perf_counter()
-    inf.generate("Hello", max_tokens=2, ignore_eos=True)
+    one = inf.model.encode_prompt("Hello")[-1:]  # a one-token prompt, then a decode step: fits any --max-len
+    inf.generate(one, max_tokens=min(2, inf.engine.max_len - 1), ignore_eos=True)
     return time.perf_counter() - t0
 
 
