@@ -89,7 +89,7 @@ class Drafter:
                 if not draft:
                     continue
                 a = row.acceptance[source.name].rate
-                if self.cost.best_k(a, len(draft)) > 0:
+                if self.cost.opens(a):
                     pick = (row, source.name, draft)
                     break
                 self._shadow(row, source.name, draft)

@@ -67,6 +67,10 @@ class CostModel:
         limit = self.max_k if limit is None else min(limit, self.max_k)
         return plan([(a, limit)], 1, self)[0]
 
+    def opens(self, a: float) -> bool:
+        """Whether a row alone would draft at acceptance ``a``: its first position pays iff ``a > c``."""
+        return a > self.position_cost and self.max_k > 0
+
     def compute_bound(self, live: int) -> bool:
         return live >= self.bandwidth_rows
 
