@@ -14,7 +14,8 @@ own next token, and the row advances by that many.  Per prompt set and ``k``:
 Sources: ``lookup`` (the row's own prompt and output), ``pool`` (a suffix pool shared by the set's
 rows, one salt, the rows run one after another), ``lookup+pool`` (lookup first), each drafting
 whenever it has something; ``gated`` is the :class:`~slotinfer.spec.Drafter` with its per-row gate
-and cost model, one row at a time.  Then the host cost of a call on a context of thousands of tokens.
+and cost model, one row at a time; ``oracle`` drafts exactly the right prefix of lookup+pool's
+draft, the ceiling of any gate over these sources.  Then the host cost of a call on a context of thousands of tokens.
 
     python benchmarks/spec_acceptance.py                  # SmolLM2-135M-Instruct, 128 tokens
     python benchmarks/spec_acceptance.py --gen 64 --ks 4
@@ -62,13 +63,15 @@ def replay(pairs, k, source, cost, max_n=4, min_n=2, pool_n=3):
         while pos < len(out):
             if source == "gated":
                 draft = drafter.step([row])[0][:k]
-            elif source == "lookup+pool":
+            elif source in ("lookup+pool", "oracle"):
                 draft = lookup.propose(row, k) or pool.propose(row, k)
             else:
                 draft = (lookup if source == "lookup" else pool).propose(row, k)
             right = 0
             while right < len(draft) and pos + right < len(out) and draft[right] == out[pos + right]:
                 right += 1
+            if source == "oracle":  # a gate that knew: the right prefix alone, nothing when it is empty
+                draft = draft[:right]
             drafter.append(row, out[pos:pos + right + 1])
             pos += right + 1
             totals["passes"] += 1
@@ -112,6 +115,29 @@ def host_cost(pairs, k=8, length=4096):
         print(f"  {name:16s} {spent[name] / calls[name] * 1e6:7.1f} us a call")
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "city", "tags"], "additionalProperties": False}
+
+
+def forced_cost(model):
+    """Forced tokens along one JSON document of a 4-field schema: their share and a call's cost."""
+    drafter = Drafter()
+    row = drafter.row([0], matcher=model.grammars.constraint({"json_schema": json.dumps(PERSON)}).matcher)
+    doc = json.dumps({"name": "Alice Smith", "age": 31, "city": "Paris", "tags": ["a", "bb"]}, separators=(",", ":"))
+    tokens = model.tokenizer.encode(doc, add_special_tokens=False)
+    forced, spent, drafted, same = drafter.sources[0], 0.0, 0, 0
+    for i, tok in enumerate(tokens):
+        t = time.perf_counter()
+        draft = forced.propose(row, 8)
+        spent += time.perf_counter() - t
+        drafted += bool(draft)
+        same += bool(draft) and draft == tokens[i:i + len(draft)]
+        row.matcher.consume_token(tok)
+    print(f"  forced.propose   {spent / len(tokens) * 1e6:7.1f} us a call; along {doc} ({len(tokens)} tokens) "
+          f"{drafted} positions have forced tokens, {same} of them the document's own tokenization")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a model path (default: SmolLM2-135M-Instruct)")
@@ -131,12 +157,13 @@ def main():
     sets = defaultdict(list)
     for r, pair in zip(rows, pairs):
         sets[r["set"]].append(pair)
-        sets[f"  {r['set']}:{r['kind']}"].append(pair)
+        if r["kind"] != r["set"]:
+            sets[f"  {r['set']}:{r['kind']}"].append(pair)
     ks = [int(k) for k in args.ks.split(",")]
     print(f"\nc = {args.position_cost} (cost of a verified position, a fraction of a one-row step)")
     print(f"{'set':24s} {'source':12s} {'k':>2s} {'accept':>7s} {'tok/pass':>9s} {'drafted':>8s} {'model x':>8s}")
     for name in sorted(sets, key=lambda s: (s.strip().split(":")[0], s.startswith(" "), s)):
-        for source in ("lookup", "pool", "lookup+pool", "gated"):
+        for source in ("lookup", "pool", "lookup+pool", "gated", "oracle"):
             if name.startswith(" ") and source in ("lookup", "pool"):
                 continue
             for k in ks:
@@ -144,6 +171,7 @@ def main():
                 t = replay(sets[name], k, source, cost, **sizes)
                 print(f"{name:24s} {source:12s} {k:2d} {row_text(t)}")
     host_cost(pairs)
+    forced_cost(model)
 
 
 if __name__ == "__main__":
