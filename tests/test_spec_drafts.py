@@ -247,3 +247,55 @@ def test_the_drafts_stand_apart_from_the_engine():
                 assert node.level == 1 or node.module.split(".")[0] in sys.stdlib_module_names, (path, node.module)
             elif isinstance(node, ast.Import):
                 assert all(a.name.split(".")[0] in sys.stdlib_module_names for a in node.names), path
+
+
+@settings(max_examples=6)
+@given(names, st.integers(0, 10**6), st.lists(st.integers(0, 300), max_size=20))
+def test_a_constrained_row_drafts_only_what_its_grammar_allows(tokenizers, name, age, noise):
+    """Lookup and pool drafts copy text the grammar may refuse there; they are cut where it would."""
+    model = tokenizers["llama"]
+    doc = json.dumps({"name": name, "age": age, "tags": ["red"]}, separators=(",", ":"))
+    ids = model.tokenizer.encode(doc, add_special_tokens=False)
+    matcher = model.grammars.constraint({"json_schema": json.dumps(SCHEMA)}).matcher
+    drafter = Drafter()
+    row = drafter.row(noise + ids + noise + ids[:3], matcher=matcher)  # the prompt holds the document
+    for a in row.acceptance.values():
+        a.accepted, a.rejected = 50.0, 0.0  # every gate open
+    drafted = 0
+    for t in ids:
+        draft = drafter.step([row])[0]
+        drafted += len(draft)
+        copy = matcher.deep_copy()
+        for d in draft:
+            assert copy.consume_token(d), (draft, copy.get_error())
+        assert matcher.consume_token(t)
+        drafter.append(row, [t])
+    assert drafted > 0
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.lists(st.integers(0, 5), max_size=60),
+       st.integers(0, 8), st.booleans())
+def test_the_drafter_drafts_what_its_sources_propose_and_counts_what_was_right(prompt, output, max_k, open_):
+    drafter = Drafter(cost=CostModel(max_k=max_k))
+    row = drafter.row(prompt)
+    if open_:
+        for a in row.acceptance.values():
+            a.accepted, a.rejected = 50.0, 0.0
+    pos = drafted = accepted = 0
+    while pos < len(output):
+        lookup = drafter.lookup.propose(row, max_k)
+        pool = drafter.pool.propose(row, max_k)
+        draft = drafter.step([row])[0]
+        assert len(draft) <= max_k
+        assert draft == lookup[:len(draft)] or draft == pool[:len(draft)]  # the first source whose gate is open
+        right = 0
+        while right < len(draft) and pos + right < len(output) and draft[right] == output[pos + right]:
+            right += 1
+        drafter.append(row, output[pos:pos + right + 1])
+        pos += right + 1
+        drafted += len(draft)
+        accepted += right
+        assert all(0.0 <= a.rate <= 1.0 for a in row.acceptance.values())
+    drafter.finish(row)
+    assert (drafter.drafted, drafter.accepted) == (drafted, accepted)
+    assert row.tokens == prompt + output and not row.pending

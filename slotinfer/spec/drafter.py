@@ -45,8 +45,11 @@ class Drafter:
         >>> drafter.append(row, taken)            # the tokens the verify pass accepted, plus its own
         >>> drafter.finish(row)
 
-    ``sources``: objects with ``name`` and ``propose(row, k) -> list[int]``; by default forced
-    tokens, then prompt lookup, then a suffix pool shared by this drafter's rows.
+    ``sources``: objects with ``name`` and ``propose(row, k) -> list[int]``, and optionally
+    ``prior``, the ``(accepted, misses)`` a new row's acceptance starts from (default ``(0, 1)``:
+    shut until shadow drafts show it pays); by default forced tokens, then prompt lookup, then a
+    suffix pool shared by this drafter's rows.  A constrained row's drafts from other sources are
+    cut where its grammar would refuse them (``LLMatcher.validate_tokens``).
     """
 
     def __init__(self, sources: Sequence | None = None, *, lookup: PromptLookup | None = None,
@@ -54,20 +57,24 @@ class Drafter:
         self.lookup = lookup or PromptLookup()
         self.pool = pool if pool is not None else SuffixPool()
         self.sources = list(sources) if sources is not None else [ForcedTokens(), self.lookup, self.pool]
+        self._learns = any(s is self.pool for s in self.sources)
         self.cost = cost or CostModel()
         self.decay = decay
         self.drafted = self.accepted = 0  # tokens of verified drafts, and those accepted
 
     def row(self, prompt: Iterable[int], *, salt: str | None = None, matcher=None) -> Row:
-        row = Row(self.lookup.index(prompt), salt=salt, matcher=matcher,
-                  acceptance={s.name: Acceptance(self.decay) for s in self.sources})
+        acceptance = {}
+        for s in self.sources:
+            accepted, misses = getattr(s, "prior", (0.0, 1.0))
+            acceptance[s.name] = Acceptance(self.decay, accepted=accepted, rejected=misses)
+        row = Row(self.lookup.index(prompt), salt=salt, matcher=matcher, acceptance=acceptance)
         self._feed(row)
         return row
 
     def propose(self, row: Row, k: int) -> tuple[str, list[int]] | None:
         """The first source with a draft for ``row``, and that draft (at most ``k`` tokens)."""
         for source in self.sources:
-            draft = source.propose(row, k)
+            draft = self._draft(row, source, k)
             if draft:
                 return source.name, draft
         return None
@@ -85,7 +92,7 @@ class Drafter:
         for row in rows:
             pick = None
             for source in self.sources:
-                draft = source.propose(row, self.cost.max_k)
+                draft = self._draft(row, source, self.cost.max_k)
                 if not draft:
                     continue
                 a = row.acceptance[source.name].rate
@@ -112,29 +119,42 @@ class Drafter:
     def append(self, row: Row, tokens: Iterable[int]) -> None:
         """The tokens ``row`` took this step (accepted draft tokens and the one sampled after)."""
         row.index.extend(tokens)
+        self._score(row, ended=False)
+        self._feed(row)
+
+    def finish(self, row: Row) -> None:
+        """The row ended.  A draft it ended inside counts what it got right among the verified
+        tokens, but is not scored against the gate: what would have come next is unknown."""
+        self._score(row, ended=True)
+        row.pending.clear()
+        self._feed(row)
+
+    def _score(self, row: Row, ended: bool) -> None:
         have = row.tokens
         for name, (start, draft, verified) in list(row.pending.items()):
             seen = have[start:start + len(draft)]
             right = 0
             while right < len(seen) and seen[right] == draft[right]:
                 right += 1
-            if right < len(seen) or len(seen) == len(draft):  # a miss, or the whole draft seen
+            whole = right < len(seen) or len(seen) == len(draft)  # a miss, or the whole draft seen
+            if whole:
                 row.acceptance[name].record(len(draft), right)
-                if verified:
-                    self.accepted += right
+            if whole or ended:
+                self.accepted += right if verified else 0
                 del row.pending[name]
-        self._feed(row)
 
-    def finish(self, row: Row) -> None:
-        """The row ended: drafts still waiting for tokens are dropped unscored."""
-        row.pending.clear()
-        self._feed(row)
+    @staticmethod
+    def _draft(row: Row, source, k: int) -> list[int]:
+        draft = source.propose(row, k)
+        if draft and row.matcher is not None and not isinstance(source, ForcedTokens):
+            draft = draft[:row.matcher.validate_tokens(draft)]
+        return draft
 
     def _shadow(self, row: Row, name: str, draft: list[int]) -> None:
         if name not in row.pending:
             row.pending[name] = (len(row.tokens), draft, False)
 
     def _feed(self, row: Row) -> None:
-        if self.pool is not None and row.fed < len(row.tokens):
+        if self._learns and row.fed < len(row.tokens):
             self.pool.learn(row.tokens, row.salt, start=row.fed)
             row.fed = len(row.tokens)
