@@ -136,7 +136,7 @@ def _echo_logprobs(shaper: Shaper, scores, prompt_text: str, c, req) -> dict:
         at += len(s)
     tops = None
     if req.top_logprobs:
-        tops = [None if top is None else {shaper.token_text(t): v for t, v in top} for top in scores.top_logprobs]
+        tops = [None if top is None else _top_dict(shaper, top) for top in scores.top_logprobs]
     out = {"tokens": tokens, "token_logprobs": list(scores.logprobs), "top_logprobs": tops, "text_offset": offsets}
     if c is not None and c.tokens:
         more = shaper.logprobs(c.tokens, c.logprobs, c.top_logprobs if req.top_logprobs else None)
@@ -145,6 +145,15 @@ def _echo_logprobs(shaper: Shaper, scores, prompt_text: str, c, req) -> dict:
         out["text_offset"] += [len(prompt_text) + o for o in more["text_offset"]]
         if tops is not None:
             out["top_logprobs"] += more["top_logprobs"] or [{} for _ in c.tokens]
+    return out
+
+
+def _top_dict(shaper: Shaper, top) -> dict:
+    """``{text: logprob}``, best first; two tokens of the same text (parts of one character, say) keep
+    the better's value, so that the first value is always the position's best."""
+    out = {}
+    for t, v in top:
+        out.setdefault(shaper.token_text(t), v)
     return out
 
 
