@@ -83,7 +83,8 @@ async def echo_completion(server, request: Request, req, t0: float):
     try:
         if req.stream:
             raise bad_param("stream", "'echo' is not supported with 'stream': true; leave out one of them")
-        server._check_fits(req)
+        if req.max_tokens != 0:  # scoring alone takes no slot
+            server._check_fits(req)
         server._force_call(req)
         prompts = await asyncio.to_thread(server._encode, req)
         await asyncio.to_thread(server._compile, req)
