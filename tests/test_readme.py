@@ -12,7 +12,7 @@ from slotinfer import default_model
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, ROOT / "docs" / "prefix-cache.md", ROOT / "docs" / "structured-output.md",
-         ROOT / "docs" / "tool-calling.md"]
+         ROOT / "docs" / "tool-calling.md", ROOT / "docs" / "embeddings.md"]
 # the library examples; the server and Ray ones are covered by tests/test_serve*.py and tests/test_ray.py
 
 def _blocks(page):
