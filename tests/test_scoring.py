@@ -147,3 +147,22 @@ def test_the_workers_jobs_are_the_models_beside_running_streams(emb):
         np.testing.assert_allclose(got, emb.embed(texts[:2], dimensions=8), atol=BATCH_ATOL)
         with pytest.raises(InvalidRequestError):
             inf.submit_embed(["x"], pooling="cls")
+
+
+@pytest.mark.parametrize("kind", ["embed", "score"])
+def test_a_stream_waits_at_most_one_batch_per_token(emb, kind):
+    """Between two tokens of a running stream the worker finishes at most one batch of an embedding or
+    scoring job (one unit each), and the job advances while the stream runs."""
+    texts = [[40, 41, 42, 43]] * 120  # equal lengths: batches of budget // length prompts
+    log = []
+    with slotinfer.Inferencer(emb, slots=2, max_len=128, prefill_tokens=16) as inf:
+        h = inf.submit([5, 6], max_tokens=40, ignore_eos=True, on_token=lambda ev: log.append("t"))
+        submit = inf.submit_embed if kind == "embed" else inf.submit_score
+        job = submit(texts, on_result=lambda i, r: log.append("j"))
+        h.result()
+        assert all(r.error is None for r in job.result())
+    per_batch = 16 // len(texts[0])
+    tokens = [i for i, x in enumerate(log) if x == "t"]
+    between = [log[a:b].count("j") for a, b in zip(tokens, tokens[1:])]
+    assert max(between) <= per_batch, between
+    assert sum(between) >= 10 * per_batch, between  # interleaved, not run before or after the stream
