@@ -82,8 +82,23 @@ def test_echo_without_logprobs_and_with_n(client, model):
     assert all(c.logprobs is None for c in r.choices)
 
 
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_a_streamed_echo_starts_with_the_prompt(client, model, max_tokens):
+    ids = [40, 41, 42, 43, 44]
+    chunks = list(client.completions.create(model=NAME, prompt=[ids], echo=True, logprobs=1, max_tokens=max_tokens,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    want = model.tokenizer.decode(ids) + (model.generate(ids, max_tokens=max_tokens).text if max_tokens else "")
+    assert text == want
+    first = chunks[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None
+    np.testing.assert_allclose(first.token_logprobs[1:], model.score([ids])[0].logprobs[1:], atol=1e-6)
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == max_tokens
+
+
 def test_echo_refusals_name_their_field(server):
-    for body, param in [({"prompt": "x", "echo": "yes"}, "echo"), ({"prompt": "x", "echo": True, "stream": True}, "stream"),
+    for body, param in [({"prompt": "x", "echo": "yes"}, "echo"), ({"prompt": "x", "echo": True, "stream": "y"}, "stream"),
                         ({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "echo": True, "logprobs": 99}, "logprobs"),
                         ({"prompt": [[10 ** 7]], "echo": True, "logprobs": 1, "max_tokens": 0}, "prompt")]:
         r = post(server, "/v1/completions", body)

@@ -19,9 +19,9 @@ from ..embed import to_base64
 from ..errors import Cancelled, InvalidRequestError, PromptTooLongError
 from ..request import short
 from .errors import APIError, bad_param, cut_short
-from .http import disconnected
+from .http import EventStream, disconnected
 from .metrics import Timer
-from .responses import Shaper, finish_reason, usage
+from .responses import DONE, Shaper, finish_reason, usage
 from .schemas import ClassifyLimits, check_fields
 
 EMBEDDING_FIELDS = ("model", "input", "encoding_format", "dimensions", "user", "pooling", "normalize")
@@ -78,11 +78,9 @@ async def echo_completion(server, request: Request, req, t0: float):
     """``/v1/completions`` with ``echo: true``: each choice's text is its prompt then its completion
     (none with ``max_tokens: 0``); with ``logprobs``, the prompt's log-probs (``null`` for its first
     token) come first, from one batched prefill (:class:`~slotinfer.prefill_jobs.ScoreJob`), then
-    the completion's as the engine gives them."""
-    endpoint, handles = "completions", []
+    the completion's as the engine gives them.  Streamed, each choice's first chunk is its prompt."""
+    endpoint, handles, streaming = "completions", [], False
     try:
-        if req.stream:
-            raise bad_param("stream", "'echo' is not supported with 'stream': true; leave out one of them")
         if req.max_tokens != 0:  # scoring alone takes no slot
             server._check_fits(req)
         server._force_call(req)
@@ -91,7 +89,7 @@ async def echo_completion(server, request: Request, req, t0: float):
         prompt_tokens = sum(map(len, prompts))
         if req.max_tokens != 0:
             handles, prompt_tokens = await server._submit(req, prompts)
-        rows = [server._drain(h, Timer(server.metrics, t0)) for h in handles]
+        rows = [] if req.stream else [server._drain(h, Timer(server.metrics, t0)) for h in handles]
         if req.logprobs:
             got = await run_job(server, request, lambda: server.inf.submit_score(prompts, top_logprobs=req.top_logprobs),
                                 endpoint, rows)
@@ -103,11 +101,15 @@ async def echo_completion(server, request: Request, req, t0: float):
         for i, s in enumerate(scores):
             if s is not None and s.error is not None:
                 raise APIError(400, f"prompt[{i}]: {s.error}", param="prompt")
+        if req.stream:  # the prompts first, then the completions' chunks as they come
+            streaming = True
+            return EventStream(_echo_stream(server, req, prompts, scores, handles, t0, prompt_tokens), handles)
     except Exception as e:
         return server._refuse(endpoint, e)
     finally:
-        for h in handles:
-            h.cancel()  # a no-op for those that ended
+        if not streaming:
+            for h in handles:
+                h.cancel()  # a no-op for those that ended
     if any(c.finish_reason == "cancelled" for c in results):  # the server ended it: shutting down
         server.metrics.outcome(endpoint, "cancelled")
         return cut_short().response()
@@ -117,7 +119,7 @@ async def echo_completion(server, request: Request, req, t0: float):
     choices = []
     for k in range(len(prompts) * req.n):
         p, c = k // req.n, results[k] if results else None
-        text = req.prompts[p] if isinstance(req.prompts[p], str) else server.model.tokenizer.decode(prompts[p])
+        text = _prompt_text(server, req, prompts, p)
         choice = {"index": k, "text": text + (c.text if c else ""), "finish_reason": "length",
                   "logprobs": _echo_logprobs(shaper, scores[p], text, c, req) if req.logprobs else None}
         if c is not None:
@@ -147,6 +149,31 @@ def _echo_logprobs(shaper: Shaper, scores, prompt_text: str, c, req) -> dict:
         if tops is not None:
             out["top_logprobs"] += more["top_logprobs"] or [{} for _ in c.tokens]
     return out
+
+
+def _prompt_text(server, req, prompts, p: int) -> str:
+    """The prompt as echoed: as the client sent it, or its ids decoded."""
+    return req.prompts[p] if isinstance(req.prompts[p], str) else server.model.tokenizer.decode(prompts[p])
+
+
+async def _echo_stream(server, req, prompts, scores, handles, t0, prompt_tokens):
+    """A first chunk per choice with its prompt (and the prompt's log-probs), then the completions'
+    chunks as /v1/completions streams them (or, with ``max_tokens: 0``, the end)."""
+    shaper = Shaper(False, server.name, server.token_text)
+    server.metrics.prompt_tokens.inc(prompt_tokens)
+    for k in range(len(prompts) * req.n):
+        p = k // req.n
+        text = _prompt_text(server, req, prompts, p)
+        lp = _echo_logprobs(shaper, scores[p], text, None, req) if req.logprobs else None
+        yield shaper.chunk(k, text, logprobs=lp, finish=None if handles else "length")
+    if handles:
+        async for chunk in server._stream(req, handles, shaper, t0, prompt_tokens, "completions"):
+            yield chunk
+        return
+    server.metrics.outcome("completions", "ok")
+    if req.include_usage:
+        yield shaper.usage_chunk(usage(prompt_tokens, 0))
+    yield DONE
 
 
 def _top_dict(shaper: Shaper, top) -> dict:
