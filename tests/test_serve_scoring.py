@@ -153,8 +153,13 @@ def test_unknown_models_oversize_bodies_and_the_server_serves_on(server, client)
                        ("/detokenize", {"tokens": [1], "model": "nope"})]:
         r = post(server, path, body)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    big = post(server, "/v1/embeddings", {"input": "x" * (2 << 20)})
-    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    for path, body in [("/v1/embeddings", {"input": "x" * (2 << 20)}), ("/tokenize", {"content": "x" * (2 << 20)}),
+                       ("/detokenize", {"tokens": [1] * (1 << 19)}),
+                       ("/v1/completions", {"prompt": "x" * (2 << 20), "echo": True, "max_tokens": 0})]:
+        big = post(server, path, body)
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    long = post(server, "/v1/completions", {"prompt": [[7] * 3000], "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
     for path in ("/v1/embeddings", "/tokenize", "/detokenize"):
         r = httpx.post(server + path, content=b"[1, 2", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
