@@ -91,8 +91,10 @@ async def echo_completion(server, request: Request, req, t0: float):
             handles, prompt_tokens = await server._submit(req, prompts)
         rows = [] if req.stream else [server._drain(h, Timer(server.metrics, t0)) for h in handles]
         if req.logprobs:
-            got = await run_job(server, request, lambda: server.inf.submit_score(prompts, top_logprobs=req.top_logprobs),
-                                endpoint, rows)
+            def submit():
+                return server.inf.submit_score(prompts, top_logprobs=req.top_logprobs)
+
+            got = await run_job(server, request, submit, endpoint, rows)
             if isinstance(got, Response):
                 return got
             scores, results = got
