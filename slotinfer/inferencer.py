@@ -252,7 +252,47 @@ class Inferencer:
 
         self._check_open()
         params.setdefault("token_budget", self.engine.encoder.budget)
-        handle = ClassifyHandle(ClassifyJob(self.model, prompts, **params))
+        return self._submit_job(ClassifyJob(self.model, prompts, **params))
+
+    def submit_embed(self, texts, **params) -> "ClassifyHandle":
+        """Queue embeddings (:meth:`Model.embed`'s arguments) from any thread; returns a handle at once,
+        whose :meth:`~ClassifyHandle.result` is the list of :class:`~slotinfer.embed.EmbedResult`.
+
+        They run as classifications do (:meth:`submit_classify`): a batch of at most ``token_budget``
+        padded tokens (None: the engine's ``prefill_tokens``) between two engine steps, so a stream
+        waits at most one batch per token.
+
+            >>> h = inf.submit_embed(["a cat sat", "the dog ran"])
+            >>> [r.vector for r in h.result()]
+        """
+        from .embed import EmbedJob
+
+        self._check_open()
+        params.setdefault("token_budget", self.engine.encoder.budget)
+        return self._submit_job(EmbedJob(self.model, texts, **params))
+
+    def embed(self, texts, **params):
+        """:meth:`submit_embed` and wait: float32 ``[len(texts), dims]`` as :meth:`Model.embed` returns.
+
+            >>> with slotinfer.Inferencer(model) as inf:
+            ...     v = inf.embed(["a cat sat", "the dog ran"], pooling="last")
+        """
+        from .embed import stack
+
+        return stack(self.submit_embed(texts, **params).result(), params.get("dimensions") or
+                     self.model.config.hidden_size)
+
+    def submit_score(self, prompts, **params) -> "ClassifyHandle":
+        """Queue prompt log-probs (:meth:`Model.score`'s arguments), run as :meth:`submit_classify` runs;
+        the handle's result is the list of :class:`~slotinfer.prefill_jobs.PromptScores`."""
+        from .prefill_jobs import ScoreJob
+
+        self._check_open()
+        params.setdefault("token_budget", self.engine.encoder.budget)
+        return self._submit_job(ScoreJob(self.model, prompts, **params))
+
+    def _submit_job(self, job) -> "ClassifyHandle":
+        handle = ClassifyHandle(job)
         with self._cv:
             self._check_open()
             if self._failure is not None:
@@ -543,7 +583,8 @@ def _abandoned(inbox, jobs, engine):
 
 
 class ClassifyHandle:
-    """A classification queued with :meth:`Inferencer.submit_classify`.
+    """A classification queued with :meth:`Inferencer.submit_classify` (embeddings and prompt log-probs,
+    :meth:`Inferencer.submit_embed` and :meth:`Inferencer.submit_score`, get the same handle).
 
     :meth:`result` waits for the list of :class:`ClassifyResult`; ``await handle`` does so in
     asyncio code.  :meth:`cancel` (from any thread) stops it before its next unit of work: its

@@ -33,7 +33,9 @@ from .tokenizer import Tokenizer
 
 _DROP_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."), ("language_model.", ""))
+                  ("language_model.lm_head.", "lm_head."), ("language_model.", ""),
+                  # a bare decoder without its head, as embedding models (Qwen3-Embedding) publish it
+                  ("embed_tokens.", "model.embed_tokens."), ("layers.", "model.layers."), ("norm.", "model.norm."))
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize / mx.dequantize support
 _QUANT_GROUPS = (32, 64, 128)

@@ -131,6 +131,33 @@ class Model:
 
         return classify(self, prompts, **kw)
 
+    def embed(self, texts, *, pooling: str | None = None, normalize: bool = True, dimensions: int | None = None,
+              token_budget: int | None = None):
+        """Embeddings of ``texts`` (strings or lists of token ids): float32 ``[len(texts), dimensions or
+        hidden]``, one prefill each, pooled at the last token (or the mean: ``pooling="mean"``; None: what
+        the checkpoint's sentence-transformers files say), L2-normalized.  See :mod:`slotinfer.embed`.
+
+            >>> v = model.embed(["a cat sat", "the dog ran"])
+            >>> float(v[0] @ v[1])                    # cosine similarity
+            >>> model.embed(["a cat sat"], dimensions=64).shape   # (1, 64), renormalized
+        """
+        from .embed import embed
+
+        return embed(self, texts, pooling=pooling, normalize=normalize, dimensions=dimensions,
+                     token_budget=token_budget)
+
+    def score(self, prompts, *, top_logprobs: int = 0, token_budget: int | None = None) -> list:
+        """Log-probs of each prompt token given the ones before it (``None`` for the first), and the
+        ``top_logprobs`` most likely tokens at each position, from one batched prefill: what
+        ``echo`` with ``logprobs`` returns.  See :func:`slotinfer.prefill_jobs.score`.
+
+            >>> s = model.score(["The capital of France is Paris"])[0]
+            >>> s.logprobs[-1], s.total
+        """
+        from .prefill_jobs import score
+
+        return score(self, prompts, top_logprobs=top_logprobs, token_budget=token_budget)
+
     # -- the reference path ----------------------------------------------------
 
     def generate(self, prompt, **params) -> Completion:

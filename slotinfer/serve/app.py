@@ -31,6 +31,7 @@ from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
 from .responses import DONE, Shaper, TokenText, sse, usage
 from .schemas import ClassifyLimits, GenerateRequest, parse_chat, parse_classify, parse_completion
+from .scoring import echo_completion, routes as scoring_routes
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
 _TRIM_AFTER_CHARS = 1 << 20  # a prompt this long takes hundreds of MB to tokenize, given back after it
@@ -60,6 +61,7 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/classify", server.classify, methods=["POST"]),
+        *scoring_routes(server),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.slotinfer = server
@@ -148,6 +150,8 @@ class _Server:
             self._authorize(request)
             req = (parse_chat if chat else parse_completion)(await self._json(request))
             self._check_model(req.model)
+            if req.echo:
+                return await echo_completion(self, request, req, t0)
             self._check_fits(req)
             self._force_call(req)
             prompts = await asyncio.to_thread(self._encode, req)  # seconds for a prompt of megabytes

@@ -68,6 +68,7 @@ class GenerateRequest:
     tool_choice: str | None = None  # "auto", "required", or the one function's name that must be called
     parallel_tool_calls: bool = True
     constrained_by: str | None = None  # the field that constrains the output (response_format...), if one does
+    echo: bool = False  # completions: the prompt comes back before the completion (with its log-probs if asked)
 
 
 @dataclass(frozen=True)
@@ -226,15 +227,22 @@ def parse_completion(body: dict) -> GenerateRequest:
                                   f"lists of token ids; got {short(prompt)}")
     if any(not p for p in prompts):
         raise bad_param("prompt", "'prompt' must not be empty")
-    for name in ("echo", "suffix"):
-        if body.get(name):
-            raise bad_param(name, f"'{name}' is not supported by this server")
+    if body.get("suffix"):
+        raise bad_param("suffix", "'suffix' is not supported by this server")
+    echo = _bool(body, "echo")
+    # echo with max_tokens 0 is scoring: the prompt (and its log-probs), nothing generated
+    score_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    if score_only:
+        body = {k: v for k, v in body.items() if k != "max_tokens"}
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise bad_param("best_of", "'best_of' is not supported by this server (leave it out, or equal to n)")
     req = _common(body, False, prompts)
     top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     if top is not None:
         req.logprobs, req.top_logprobs = True, top
+    req.echo = echo
+    if score_only:
+        req.max_tokens = 0
     return req
 
 
