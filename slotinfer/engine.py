@@ -26,7 +26,7 @@ import numpy as np
 from . import device, request
 from .decoder import Decoder, RowParams, spread
 from .encoder import Encoder
-from .errors import EngineError, PromptTooLongError
+from .errors import EngineError, GrammarError, PromptTooLongError
 from .handle import Handle
 from .kv import BLOCK_SIZE, PrefixCache
 from .item_processor import Item, ItemProcessor, State, owned_by_request
@@ -404,7 +404,7 @@ class Engine:
             except BaseException as e:  # what one request carries (its stops, text, consumers) fails it alone
                 if not owned_by_request(e):
                     raise
-                self.items.finish(item, "error", EngineError(
+                self.items.finish(item, "error", e if isinstance(e, GrammarError) else EngineError(
                     f"request {item.id} failed while its token was processed: {type(e).__name__} ({e!r})"))
 
     def _accept_row(self, host: "_OnHost", row: _Row):

@@ -12,16 +12,17 @@ first reads back the step before it (``Engine.step``): constrained rows advance 
 step, and the device idles for the host's bookkeeping on those steps only.
 
 Compiling happens at submit, on the caller's thread, bounded by
-``SLOTINFER_GRAMMAR_SECONDS``: a constraint that does not compile, or not in time,
-is a :class:`~slotinfer.errors.GrammarError` naming the parameter, never an
-unconstrained answer.
+``SLOTINFER_GRAMMAR_SECONDS`` and vetted first in a child process (``grammar_compile``): a
+constraint that does not compile, not in time, crashes the compiler, or leaves no first token
+is a :class:`~slotinfer.errors.GrammarError` naming the parameter, never an unconstrained
+answer.  A matcher that fails later, mid-output, ends its request with a GrammarError too: a
+reply that ends "stop" always satisfies its constraint.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import json
+import hashlib
 import threading
 from collections import OrderedDict
 
@@ -30,14 +31,16 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from . import settings
-from .errors import EngineError, GrammarError
+from . import json_numbers, settings
+from ._grammar_worker import compile_checked
+from .grammar_compile import COMPILER, first_lines, on_big_stack
+from .errors import GrammarError
 from .request import CONSTRAINTS
 
 # Compact JSON: no free whitespace, so a model cannot spend its tokens on blank runs.
 JSON_OPTIONS = {"whitespace_flexible": False}
+LIMITS: dict = {}  # llguidance.LLParserLimits settings for every matcher (its defaults where unset)
 _COMPILED = 64  # grammars kept compiled per model (a matcher is copied from one per request)
-_compilers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="slotinfer-grammar")
 
 
 def words(vocab: int) -> int:
@@ -56,39 +59,48 @@ def apply_mask(logits, mask):
     return mx.where(allowed(mask, logits.shape[-1]), logits, -mx.inf)
 
 
-def grammar_text(kind: str, value) -> str:
-    """llguidance's grammar for a checked request value (``request.check``'s normal form)."""
-    if kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
-    if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(value)
-    if kind == "choice":  # Lark string literals take JSON's escapes
-        return llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
-    if kind == "grammar":
-        return llguidance.LLMatcher.grammar_from_lark(value)
-    raise AssertionError(kind)
-
-
 class Constraint:
-    """One request's matcher, advanced by each token the request accepts."""
+    """One request's matcher, advanced by each token the request accepts.
+
+    A matcher that fails (llguidance then allows only the end token) raises a GrammarError naming
+    the constraint, from :meth:`fill` or :meth:`advance`: the request ends with it, never "stop".
+    """
 
     def __init__(self, matcher: llguidance.LLMatcher, kind: str):
         self.matcher, self.kind = matcher, kind
+        self.error: GrammarError | None = None
 
     def fill(self, bitmask: np.ndarray, row: int):
-        """Write the tokens allowed next into ``bitmask[row]``."""
+        """Write the tokens allowed next into ``bitmask[row]``.  A matcher that fails here leaves the
+        row free (its token is never used) and fails the request at that token (:meth:`advance`)."""
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.matcher.is_error():
+            self.error = self.error or self.failed()
+            bitmask[row] = -1
 
     def advance(self, token: int) -> bool:
         """Take ``token``; True when the output is complete (nothing but an end token may follow)."""
+        if self.error is not None:
+            raise self.error
         if not self.matcher.consume_token(token):
-            raise EngineError(f"token {token} broke the request's {self.kind}: "
-                              f"{self.matcher.get_error() or 'not allowed there'}")
+            raise self.failed(f"token {token} is not allowed there")
         return self.matcher.is_stopped()
 
+    def end(self):
+        """An end token came: raise unless the output is complete."""
+        if self.error is not None:
+            raise self.error
+        if not self.allows_end():
+            raise self.failed("the output ended before it was complete")
+
     def allows_end(self) -> bool:
-        return self.matcher.is_accepting()
+        return self.matcher.is_accepting() and not self.matcher.is_error()
+
+    def failed(self, fallback: str = "it failed") -> GrammarError:
+        e = GrammarError(f"the {self.kind} failed mid-output, so the output cannot satisfy it: "
+                         f"{first_lines(self.matcher.get_error(), 300) or fallback}; simplify the {self.kind}")
+        e.param = self.kind
+        return e
 
 
 class Grammars:
@@ -99,16 +111,26 @@ class Grammars:
         self._lock = threading.Lock()
         self._compiled: OrderedDict = OrderedDict()
 
+    def _tokenizer_source(self):
+        return self._source.backend.to_str(), self.vocab, self._eos
+
+    @functools.cached_property
+    def _key(self) -> str:
+        """Names this tokenizer in the compile children (which build it once each)."""
+        text, vocab, eos = self._tokenizer_source()
+        return hashlib.sha256(f"{vocab} {eos} {text}".encode()).hexdigest()
+
     @functools.cached_property
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:  # cached_property alone lets two threads build it at once
             if "_built" not in self.__dict__:
-                self._built = llguidance.LLTokenizer(self._source.backend.to_str(), n_vocab=self.vocab,
+                self._built = llguidance.LLTokenizer(self._tokenizer_source()[0], n_vocab=self.vocab,
                                                      eos_token=self._eos)
             return self._built
 
     def constraint(self, params: dict) -> Constraint | None:
-        """The constraint a checked request asks for, or None; raises GrammarError."""
+        """The constraint a checked request asks for, or None; raises GrammarError (GrammarBusy
+        when too many compile at once)."""
         given = [k for k in CONSTRAINTS if params.get(k) is not None]
         if not given:
             return None
@@ -124,32 +146,21 @@ class Grammars:
                 self._compiled[key] = template
                 while len(self._compiled) > _COMPILED:
                     self._compiled.popitem(last=False)
-        return Constraint(template.deep_copy(), kind)
+        matcher = template.deep_copy()
+        if matcher.is_error():  # never expected: a template is cached only healthy, with its first mask
+            raise Constraint(matcher, kind).failed()
+        return Constraint(matcher, kind)
 
     def _compile(self, kind: str, value) -> llguidance.LLMatcher:
-        seconds = settings.grammar_seconds()
+        if kind == "json_schema":
+            value = json_numbers.bounded_text(value)
+        text = COMPILER.vet(self._key, self._tokenizer_source, kind, value, JSON_OPTIONS, LIMITS,
+                            settings.grammar_seconds())
         tokenizer = self.tokenizer
-        try:
-            text = grammar_text(kind, value)
-        except ValueError as e:
-            raise _error(kind, f"the {kind} could not be read: {e}") from None
-        job = _compilers.submit(llguidance.LLMatcher, tokenizer, text, log_level=0)
-        try:  # the matcher is built without the GIL; past the bound the request is refused
-            matcher = job.result(timeout=seconds)
-        except concurrent.futures.TimeoutError:
-            raise _error(kind, f"the {kind} took longer than {seconds:g} s to compile; simplify it, or raise "
-                               "SLOTINFER_GRAMMAR_SECONDS") from None
-        if matcher.is_error():
-            raise _error(kind, f"the {kind} is not valid: {_first_lines(matcher.get_error())}")
+        matcher, error = on_big_stack(compile_checked, llguidance, tokenizer, text,
+                                      llguidance.LLParserLimits(**LIMITS))
+        if error is not None:
+            e = GrammarError(f"the {kind} is not valid: {first_lines(error)}")
+            e.param = kind
+            raise e
         return matcher
-
-
-def _first_lines(text: str, limit: int = 600) -> str:
-    text = text.strip()
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _error(kind: str, message: str) -> GrammarError:
-    e = GrammarError(message)
-    e.param = kind
-    return e
