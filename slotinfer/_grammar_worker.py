@@ -92,7 +92,7 @@ def serve():
 
 
 if __name__ == "__main__":
-    threading.stack_size(STACK_BYTES)
+    threading.stack_size(int(sys.argv[1]) if len(sys.argv) > 1 else STACK_BYTES)
     worker = threading.Thread(target=serve)
     worker.start()
     worker.join()

@@ -29,17 +29,19 @@ import threading
 import time
 from pathlib import Path
 
-from ._grammar_worker import STACK_BYTES  # a plain script module: it imports nothing of slotinfer
+from . import _grammar_worker  # a plain script module: it imports nothing of slotinfer
 from .errors import GrammarBusy, GrammarError
 
 WORKER = Path(__file__).with_name("_grammar_worker.py")
+STACK_BYTES = _grammar_worker.STACK_BYTES  # each compile thread's, here and in the children
 RUNNING, WAITING, IDLE = 8, 32, 2  # children compiling at once, compiles waiting for one, warm children kept
 _SETUP_SECONDS = 120.0  # a fresh child's start and tokenizer build (not the constraint's fault)
 
 
 class _Child:
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-u", str(WORKER)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-u", str(WORKER), str(STACK_BYTES)],
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self.tokenizers: set = set()
 
@@ -82,18 +84,15 @@ class Compiler:
     def __init__(self):
         self._cv = threading.Condition()
         self._idle: list[_Child] = []
-        self._running = self._waiting = 0
+        self._running = self._waiting = self._starting = 0
 
     def vet(self, key, source, kind: str, value, json_options, limits: dict, seconds: float) -> str:
         """The llguidance grammar text of a constraint that compiles, with its first mask, within
         ``seconds`` in a child; raises GrammarError (or GrammarBusy when too many wait)."""
-        child = self._take()
+        child = self._take(key)
+        threading.Thread(target=self._spare, args=(key, source), daemon=True).start()
         try:
-            if key not in child.tokenizers:
-                child.send(("tokenizer", key, source()))
-                if child.receive(_SETUP_SECONDS) != ("ready",):
-                    raise RuntimeError("the grammar compiler's child process failed to start")
-                child.tokenizers.add(key)
+            _prepare(child, key, source)
             child.send(("compile", key, kind, value, json_options, limits))
             answer = child.receive(seconds)
             if answer is None:  # it died: a native stack overflow
@@ -119,7 +118,30 @@ class Compiler:
             raise _error(kind, f"the {kind} is not valid: {first_lines(text)}")
         return text
 
-    def _take(self) -> _Child:
+    def _spare(self, key, source):
+        """Keep a warm child (tokenizer built) ready, so that a compile never waits for a start."""
+        with self._cv:
+            if sum(key in c.tokenizers for c in self._idle) + self._starting >= 1:
+                return
+            self._starting += 1
+        child = None
+        try:
+            child = _Child()
+            _prepare(child, key, source)
+        except BaseException:
+            if child is not None:
+                child.kill()
+            child = None
+        finally:
+            with self._cv:
+                self._starting -= 1
+                if child is not None and len(self._idle) < IDLE:
+                    self._idle.append(child)
+                    child = None
+            if child is not None:
+                child.kill()
+
+    def _take(self, key) -> _Child:
         with self._cv:
             if self._running >= RUNNING:
                 if self._waiting >= WAITING:
@@ -131,7 +153,10 @@ class Compiler:
                 finally:
                     self._waiting -= 1
             self._running += 1
-            child = self._idle.pop() if self._idle else None
+            ready = [c for c in self._idle if key in c.tokenizers]
+            child = ready[-1] if ready else self._idle[-1] if self._idle else None
+            if child is not None:
+                self._idle.remove(child)
         if child is None or child.proc.poll() is not None:
             try:
                 child = _Child()
@@ -157,6 +182,14 @@ class Compiler:
             idle, self._idle = self._idle, []
         for child in idle:
             child.kill()
+
+
+def _prepare(child: _Child, key, source):
+    if key not in child.tokenizers:
+        child.send(("tokenizer", key, source()))
+        if child.receive(_SETUP_SECONDS) != ("ready",):
+            raise RuntimeError("the grammar compiler's child process failed to start")
+        child.tokenizers.add(key)
 
 
 def on_big_stack(fn, *args):
