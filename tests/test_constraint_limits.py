@@ -109,6 +109,18 @@ def test_the_chains_that_crashed_the_compiler(model_dir, tmp_path):
     assert cli.returncode == 0, cli.stderr[-800:]
 
 
+def test_a_forced_tool_call_with_chained_parameters(model_dir):
+    """The grammar that forces a call to a function whose parameters chain 2,500 $refs."""
+    from slotinfer import tools
+
+    chain = ref_chain(2500)
+    fn = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": chain["$ref"]}}, "required": ["x"], "$defs": chain["$defs"]}}}]
+    grammar = tools.forced_grammar(fn, "hermes", name=None, parallel=False)
+    [(what, param)] = run_child(model_dir("qwen3"), [("grammar", grammar)])
+    assert what == "served" or (what == "GrammarError" and param == "grammar")
+
+
 def test_a_compile_that_overflows_its_stack_is_a_grammar_error(models, monkeypatch):
     """The child that vets a constraint dies of a stack overflow (here on a 1 MiB stack; the limits
     admit no chain that outgrows the real one); the request is refused and the next one served."""
@@ -255,3 +267,73 @@ def test_the_largest_chains_the_limit_admits(model_dir):
     outcomes = run_child(model_dir("llama"), [("grammar", lark_chain(n)), ("json_schema", ref_chain(n // 2))],
                          timeout=600)
     assert all(o[0] in ("served", "GrammarError") for o in outcomes), outcomes
+
+
+# -- through the server, run in a child process: a crash fails the test, not pytest ------------------
+
+_SERVER = """
+import sys, slotinfer
+from slotinfer.serve import build_app
+from slotinfer.serve.background import serving
+m = slotinfer.load(sys.argv[1])
+with slotinfer.Inferencer(m, slots=4, max_len=4096, max_queue=16) as inf:
+    with serving(build_app(inf, served_model_name="tiny")) as url:
+        print(url, flush=True)
+        sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def client(model_dir):
+    import openai
+
+    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(model_dir("qwen3"))], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    url = proc.stdout.readline().strip()
+    assert url.startswith("http"), "the server did not start"
+    yield openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=240), proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def _tool(schema):
+    return [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+
+
+MSG = [{"role": "user", "content": "hi"}]
+OVER_HTTP = [  # (create() keywords, the field a refusal must name)
+    (dict(extra_body={"structured_outputs": {"grammar": lark_chain(3000)}}), "structured_outputs"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": ref_chain(2500)}}),
+     "response_format"),
+    (dict(tools=_tool({"type": "object", "properties": {"x": ref_chain(2500)}, "required": ["x"]}),
+          tool_choice="required"), ("tools", "messages")),  # the tools fill the prompt past a tiny context
+    (dict(extra_body={"guided_regex": "(" * 3000 + "a" + ")" * 3000}), "guided_regex"),
+    (dict(extra_body={"guided_regex": "(ab){1000000}"}), "guided_regex"),
+    (dict(extra_body={"guided_choice": [f"c{i}" for i in range(request.MAX_CHOICES)]}), "guided_choice"),
+]
+
+
+@pytest.mark.parametrize("kw, field", OVER_HTTP)
+def test_over_http_every_constraint_is_served_or_a_400_naming_its_field(client, kw, field):
+    import openai
+
+    api, proc = client
+    try:
+        r = api.chat.completions.create(model="tiny", messages=MSG, max_tokens=8, temperature=0, **kw)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    except openai.BadRequestError as e:
+        assert e.body["param"] in (field if isinstance(field, tuple) else (field,)) and "<state>" not in e.body["message"], e.body
+    assert proc.poll() is None, "the server died"
+    assert api.chat.completions.create(model="tiny", messages=MSG, max_tokens=2).choices[0].finish_reason
+
+
+def test_over_http_a_stream_whose_matcher_fails_ends_with_an_error_event(client):
+    import openai
+
+    api, proc = client
+    with pytest.raises(openai.APIError) as e:
+        for _ in api.chat.completions.create(model="tiny", messages=MSG, max_tokens=50, stream=True,
+                                             extra_body={"guided_regex": "(ab){1000000}"}):
+            pass
+    assert "guided_regex" in str(e.value.body) or "regex" in str(e.value)
+    assert proc.poll() is None
