@@ -243,21 +243,23 @@ def test_unbounded_numbers_get_the_policy_bounds():
     assert schema["properties"]["n"] == {"type": "integer"}  # the caller's schema is untouched
 
 
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"},
-                                         "area_km2": {"type": "number"}},
-        "required": ["city", "population", "area_km2"], "additionalProperties": False}
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "number"}},
+        "required": ["city", "population"], "additionalProperties": False}
+TOWN = {"type": "object", "properties": {"name": {"type": "string"}, "population": {"type": "integer"},
+                                         "country": {"type": "string"}},
+        "required": ["name", "population", "country"], "additionalProperties": False}
 
 
-def test_the_real_model_ends_its_numbers(smollm2):
-    """SmolLM2 greedy wrote a population's digits until max_tokens where integers had no bound."""
+@pytest.mark.parametrize("schema, question", [(CITY, "Tell me about Paris."), (CITY, "Say something"),
+                                              (TOWN, "Give me a city and its population.")])
+def test_the_real_model_ends_its_numbers(smollm2, schema, question):
+    """SmolLM2 greedy wrote a population's digits (or decimals) until max_tokens where numbers had no bound."""
     m = smollm2
-    questions = ["Describe Tokyo as JSON.", "Give the population of the largest city on Earth as JSON.",
-                 "Describe Lagos as JSON with its population.", "What is the population of China? JSON."]
-    prompts = [m.chat_prompt(messages=[{"role": "user", "content": q}]) for q in questions]
-    for r in m.batch_generate(prompts, json_schema=CITY, max_tokens=80, slots=4):
-        assert r.finish_reason == "stop", r.text
-        doc = json.loads(r.text)
-        assert abs(doc["population"]) <= 2**53 and type(doc["population"]) is int
+    r = m.generate(m.chat_prompt(messages=[{"role": "user", "content": question}]), json_schema=schema,
+                   max_tokens=100)
+    assert r.finish_reason == "stop", r.text
+    population = json.loads(r.text)["population"]
+    assert abs(population) <= 2**53 and (type(population) is int or schema is CITY)
 
 
 @pytest.mark.skipif(not os.environ.get("SLOTINFER_EXAMPLES"), reason="the long runs: set SLOTINFER_EXAMPLES")
