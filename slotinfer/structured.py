@@ -21,8 +21,10 @@ reply that ends "stop" always satisfies its constraint.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import os
 import threading
 from collections import OrderedDict
 
@@ -59,48 +61,90 @@ def apply_mask(logits, mask):
     return mx.where(allowed(mask, logits.shape[-1]), logits, -mx.inf)
 
 
+def _lower_priority():
+    """The mask thread yields the cores to the decode step's threads (Linux: per-thread niceness)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+# One thread computes every row's next mask, at a lower priority, beside the engine thread (llguidance
+# releases the GIL): a row whose mask is not ready sits out a step, and the others do not wait for it.
+_masker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slotinfer-mask",
+                                                initializer=_lower_priority)
+
+
 class Constraint:
     """One request's matcher, advanced by each token the request accepts.
 
-    A matcher that fails (llguidance then allows only the end token) raises a GrammarError naming
-    the constraint, from :meth:`fill` or :meth:`advance`: the request ends with it, never "stop".
+    Its next mask is computed off the engine thread as soon as the token before it is taken
+    (:meth:`ready` says when it is there); a row with a costly constraint then sits out steps
+    instead of slowing every row's.  A matcher that fails (llguidance then allows only the end
+    token) raises a GrammarError naming the constraint, from :meth:`advance` or :meth:`end`: the
+    request ends with it, never "stop".
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, kind: str):
+    def __init__(self, matcher: llguidance.LLMatcher, kind: str, width: int):
         self.matcher, self.kind = matcher, kind
         self.error: GrammarError | None = None
+        self._mask = np.zeros((1, width), dtype=np.int32)
+        self._job = _masker.submit(self._compute)
+
+    def _compute(self):
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, self._mask, 0)
+        if self.matcher.is_error():
+            self.error = self.error or failure(self.kind, self.matcher)
+
+    def ready(self) -> bool:
+        """Whether the next mask is computed (a step may take this row)."""
+        return self._job.done()
+
+    def _wait(self):
+        self._job.result()
 
     def fill(self, bitmask: np.ndarray, row: int):
-        """Write the tokens allowed next into ``bitmask[row]``.  A matcher that fails here leaves the
-        row free (its token is never used) and fails the request at that token (:meth:`advance`)."""
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
-        if self.matcher.is_error():
-            self.error = self.error or self.failed()
-            bitmask[row] = -1
+        """Write the tokens allowed next into ``bitmask[row]`` (waiting for them if need be).  A matcher
+        that failed leaves the row free (its token is never used) and fails the request at that token."""
+        self._wait()
+        bitmask[row] = -1 if self.error is not None else self._mask[0]
 
     def advance(self, token: int) -> bool:
         """Take ``token``; True when the output is complete (nothing but an end token may follow)."""
+        self._wait()
         if self.error is not None:
             raise self.error
         if not self.matcher.consume_token(token):
-            raise self.failed(f"token {token} is not allowed there")
-        return self.matcher.is_stopped()
+            raise failure(self.kind, self.matcher, f"token {token} is not allowed there")
+        if self.matcher.is_stopped():
+            return True
+        self._job = _masker.submit(self._compute)
+        return False
 
     def end(self):
         """An end token came: raise unless the output is complete."""
+        self._wait()
         if self.error is not None:
             raise self.error
         if not self.allows_end():
-            raise self.failed("the output ended before it was complete")
+            raise failure(self.kind, self.matcher, "the output ended before it was complete")
 
     def allows_end(self) -> bool:
         return self.matcher.is_accepting() and not self.matcher.is_error()
 
-    def failed(self, fallback: str = "it failed") -> GrammarError:
-        e = GrammarError(f"the {self.kind} failed mid-output, so the output cannot satisfy it: "
-                         f"{first_lines(self.matcher.get_error(), 300) or fallback}; simplify the {self.kind}")
-        e.param = self.kind
-        return e
+
+def wait_for_any(constraints, seconds: float):
+    """Block until one of ``constraints``' masks is ready, or ``seconds`` pass (an engine with nothing
+    else to run waits here instead of spinning)."""
+    concurrent.futures.wait([c._job for c in constraints], timeout=seconds,
+                            return_when=concurrent.futures.FIRST_COMPLETED)
+
+
+def failure(kind: str, matcher, fallback: str = "it failed") -> GrammarError:
+    e = GrammarError(f"the {kind} failed mid-output, so the output cannot satisfy it: "
+                     f"{first_lines(matcher.get_error(), 300) or fallback}; simplify the {kind}")
+    e.param = kind
+    return e
 
 
 class Grammars:
@@ -148,8 +192,8 @@ class Grammars:
                     self._compiled.popitem(last=False)
         matcher = template.deep_copy()
         if matcher.is_error():  # never expected: a template is cached only healthy, with its first mask
-            raise Constraint(matcher, kind).failed()
-        return Constraint(matcher, kind)
+            raise failure(kind, matcher)
+        return Constraint(matcher, kind, words(self.vocab))
 
     def _compile(self, kind: str, value) -> llguidance.LLMatcher:
         if kind == "json_schema":
