@@ -51,8 +51,8 @@ def grammar_text(llguidance, kind, value, json_options):
 
 def compile_checked(llguidance, tokenizer, text, limits):
     """(matcher, None) with its first mask computed, or (None, the error)."""
-    import numpy as np
     import llguidance.numpy as lnp
+    import numpy as np
 
     matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
     if matcher.is_error():
