@@ -220,8 +220,8 @@ COMPILER = Compiler()
 
 
 def first_lines(text: str, limit: int = 600) -> str:
-    """llguidance's message without the parser state it may append."""
-    text = (text or "").split("\n<state>", 1)[0].strip()
+    """llguidance's message without the parser state or backtrace it may append."""
+    text = (text or "").split("\n<state>", 1)[0].split("\n<backtrace>", 1)[0].strip()
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
