@@ -339,3 +339,17 @@ def test_over_http_a_stream_whose_matcher_fails_ends_with_an_error_event(client)
             pass
     assert "guided_regex" in str(e.value.body) or "regex" in str(e.value)
     assert proc.poll() is None
+
+
+def test_a_row_whose_masks_are_slow_never_holds_a_free_row_back(models):
+    """A free row takes its tokens while a row under a costly regex waits for its masks (computed off
+    the engine thread); its steps are not the free row's.  Counts tokens, not time."""
+    m = models["llama"]
+    with slotinfer.Inferencer(m, slots=2, max_len=256) as inf:
+        inf.generate([5, 6], regex="a{100000}", max_tokens=2)  # compiled and cached
+        seen = []
+        slow = inf.submit([5, 6], regex="a{100000}", max_tokens=200, on_token=lambda ev: seen.append(ev))
+        free = inf.submit([7, 8], max_tokens=40, ignore_eos=True).result(timeout=120)
+        behind = len(seen)
+        slow.cancel()
+    assert len(free.tokens) == 40 and behind < 40, behind
