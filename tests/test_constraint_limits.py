@@ -352,4 +352,4 @@ def test_a_row_whose_masks_are_slow_never_holds_a_free_row_back(models):
         free = inf.submit([7, 8], max_tokens=40, ignore_eos=True).result(timeout=120)
         behind = len(seen)
         slow.cancel()
-    assert len(free.tokens) == 40 and behind < 40, behind
+    assert len(free.tokens) == 40 and behind < 20, behind  # in lockstep it would be 39 or 40
