@@ -71,8 +71,14 @@ def _lower_priority():
 
 # One thread computes every row's next mask, at a lower priority, beside the engine thread (llguidance
 # releases the GIL): a row whose mask is not ready sits out a step, and the others do not wait for it.
-_masker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slotinfer-mask",
-                                                initializer=_lower_priority)
+def _new_masker():
+    global _masker
+    _masker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slotinfer-mask",
+                                                    initializer=_lower_priority)
+
+
+_new_masker()
+os.register_at_fork(after_in_child=_new_masker)  # a forked process has none of its parent's threads
 
 
 class Constraint:
