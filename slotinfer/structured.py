@@ -35,8 +35,8 @@ import numpy as np
 
 from . import json_numbers, settings
 from ._grammar_worker import compile_checked
-from .grammar_compile import COMPILER, first_lines, on_big_stack
 from .errors import GrammarError
+from .grammar_compile import COMPILER, first_lines, on_big_stack
 from .request import CONSTRAINTS
 
 # Compact JSON: no free whitespace, so a model cannot spend its tokens on blank runs.

@@ -21,7 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer import GrammarBusy, GrammarError, InvalidRequestError, grammar_compile, request
+from slotinfer import (
+    GrammarBusy,
+    GrammarError,
+    InvalidRequestError,
+    grammar_compile,
+    request,
+)
 
 LIMIT = request.MAX_GRAMMAR
 
