@@ -378,3 +378,10 @@ def test_a_row_whose_masks_are_slow_never_holds_a_free_row_back(models):
         behind = len(seen)
         slow.cancel()
     assert len(free.tokens) == 40 and behind < 20, behind  # in lockstep it would be 39 or 40
+
+
+def test_a_busy_compiler_is_a_429_with_retry_after_over_http():
+    from slotinfer.serve.errors import from_exception
+
+    err = from_exception(GrammarBusy("8 constraints are compiling and 32 more wait; retry in a few seconds"))
+    assert err.status == 429 and err.headers.get("Retry-After") and "retry" in err.message
