@@ -23,4 +23,5 @@ __version__ = "0.1.0"
 __all__ = ["load", "Model", "Inferencer", "Request", "Handle", "StreamEvent", "Completion", "BatchResult",
            "ClassifyResult", "BLAS", "SlotinferError", "InvalidRequestError", "PromptTooLongError", "QueueFull",
            "EngineClosed", "ModelLoadError", "ModelNotFoundError", "UnsupportedModelError", "ConfigError",
-           "WeightError", "TokenizerError", "EngineError", "Cancelled", "OutOfMemoryError", "GrammarError"]
+           "WeightError", "TokenizerError", "EngineError", "Cancelled", "OutOfMemoryError", "GrammarError",
+           "GrammarBusy"]

@@ -26,13 +26,13 @@ import numpy as np
 from . import device, request
 from .decoder import Decoder, RowParams, spread
 from .encoder import Encoder
-from .errors import EngineError, PromptTooLongError
+from .errors import EngineError, GrammarError, PromptTooLongError
 from .handle import Handle
 from .kv import BLOCK_SIZE, PrefixCache
 from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .sampling import SamplingParams, top_n_computed
 from .slots import SlotTable
-from .structured import words
+from .structured import wait_for_any, words
 
 _ids = itertools.count(1)
 
@@ -329,6 +329,9 @@ class Engine:
         needed = self._make_room(firsts)
         running = self.items.running()
         if not needed and not firsts:
+            masking = [it.constraint for it in running if it.constraint is not None and it.in_step]
+            if masking and self._pending is None:
+                wait_for_any(masking, 0.05)  # only masks are awaited: wait for them instead of spinning
             return None
         first_set, needed_set = {id(it) for it in firsts}, {id(it) for it in needed}
         top_n = self._top_n(running)
@@ -372,7 +375,8 @@ class Engine:
         """
         table = self.table
         while True:
-            needed = [it for it in self.items.running() if it.issued < it.max_tokens and it.in_step]
+            needed = [it for it in self.items.running() if it.issued < it.max_tokens and it.in_step
+                      and (it.constraint is None or it.constraint.ready())]  # a mask still computing: sits out
             slots = [it.slot for it in needed]
             tokens = [int(table.lengths[s]) + 1 for s in slots]
             if not table.short(slots, tokens):
@@ -404,7 +408,7 @@ class Engine:
             except BaseException as e:  # what one request carries (its stops, text, consumers) fails it alone
                 if not owned_by_request(e):
                     raise
-                self.items.finish(item, "error", EngineError(
+                self.items.finish(item, "error", e if isinstance(e, GrammarError) else EngineError(
                     f"request {item.id} failed while its token was processed: {type(e).__name__} ({e!r})"))
 
     def _accept_row(self, host: "_OnHost", row: _Row):

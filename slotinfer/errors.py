@@ -65,6 +65,10 @@ class QueueFull(SlotinferError):
     """The admission queue is full and the caller asked not to block."""
 
 
+class GrammarBusy(QueueFull):
+    """Too many constraints are compiling or waiting to compile at once: retry in a few seconds."""
+
+
 class EngineClosed(SlotinferError, RuntimeError):
     """The Inferencer was closed; it takes no more requests."""
 

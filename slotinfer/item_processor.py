@@ -234,6 +234,8 @@ class ItemProcessor:
         if top is not None:
             item.top.append(top[: item.top_logprobs])  # the step computed at least as many as any row asked for
         if token in item.enders:
+            if item.constraint is not None:
+                item.constraint.end()  # "stop" only where the output satisfies the constraint
             return self._emit_and_finish(item, token, "stop")
         item.text += item.detok.add(token)
         if item.constraint is not None and item.constraint.advance(token):

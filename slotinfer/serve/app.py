@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from .. import tools
 from ..cpu import allocator
-from ..errors import Cancelled, InvalidRequestError, PromptTooLongError
+from ..errors import Cancelled, GrammarError, InvalidRequestError, PromptTooLongError
 from ..request import CONSTRAINTS, short
 from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
@@ -285,7 +285,7 @@ class _Server:
         try:
             results = everything.result()
         except Exception as e:
-            return self._refuse(endpoint, e)
+            return self._refuse(endpoint, _named(req, e))
         if any(c.finish_reason == "cancelled" and i not in shaper.repeated for i, c in enumerate(results)):
             # the server ended it: shutting down
             self.metrics.outcome(endpoint, "cancelled")
@@ -332,7 +332,7 @@ class _Server:
                 try:
                     c = handles[i].result()
                 except Exception as e:  # this request's rows failed; the stream says so and ends
-                    failed = from_exception(e)
+                    failed = from_exception(_named(req, e))
                     break
                 if c.finish_reason == "cancelled" and i not in shaper.repeated:  # the server ended it (shutting down)
                     failed = cut_short()
@@ -482,3 +482,10 @@ def _cached(req, results) -> int:
     """Prompt tokens served from the prefix cache, counted once per prompt as usage counts the prompt
     (the first of its ``n`` choices; results are prompt-major)."""
     return sum(c.cached_tokens for c in results[:: req.n])
+
+
+def _named(req: GenerateRequest, e: BaseException) -> BaseException:
+    """A constraint's error (a matcher that failed mid-output) names the field the client sent."""
+    if isinstance(e, GrammarError):
+        e.param = "tools" if req.tools and req.tool_choice != "auto" else req.constrained_by or e.param
+    return e
