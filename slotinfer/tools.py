@@ -22,6 +22,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from . import json_numbers
+
 HERMES, LLAMA3 = "hermes", "llama3"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
@@ -335,6 +337,9 @@ class RepeatWatch:
 # -- the grammar that forces a call -----------------------------------------------------
 
 
+_DEFINITIONS = ("$defs", "definitions")
+
+
 def forced_grammar(tools: list[dict], fmt: str, *, name: str | None = None, parallel: bool = True) -> str:
     """A Lark grammar (llguidance's dialect) whose every sentence is a call in ``fmt`` of one of
     ``tools`` (only ``name`` where given), its arguments valid against the function's ``parameters``;
@@ -343,11 +348,14 @@ def forced_grammar(tools: list[dict], fmt: str, *, name: str | None = None, para
     key = "arguments" if fmt == HERMES else "parameters"
     rules = []
     for i, fn in enumerate(fns):
-        params = dict(fn.get("parameters") or {})
+        params = json_numbers.bounded(dict(fn.get("parameters") or {}))
         if isinstance(params.get("type", []), list):  # arguments are an object (not null, nor an enum's number)
             params["type"] = "object"
+        # The parameters sit under the call's root, from which "#/$defs/..." resolves: their
+        # definitions move up with them (a parameter schema's own "#/..." references keep their names).
+        lifted = {k: params.pop(k) for k in _DEFINITIONS if k in params}
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
-                  "required": ["name", key], "additionalProperties": False,
+                  "required": ["name", key], "additionalProperties": False, **lifted,
                   "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
         rules.append(f"fn{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     body = "body: " + " | ".join(f"fn{i}" for i in range(len(fns)))

@@ -253,3 +253,23 @@ def test_a_function_without_parameters_takes_any_object(models):
     failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.grammar_from("lark", grammar))
     assert not failed and not warnings
     assert "start: call\n" in grammar  # one call, not a sequence
+
+
+def test_a_forced_calls_parameters_keep_their_definitions_and_bounded_numbers(models):
+    """``#/$defs/...`` in a function's parameters resolves once the call wraps them, and a number
+    without bounds ends (slotinfer's JSON-number policy reaches forced calls too)."""
+    params = {"type": "object", "$defs": {"place": {"type": "string", "enum": ["Paris", "Oslo"]}},
+              "properties": {"city": {"$ref": "#/$defs/place"}, "temp": {"type": "number"}},
+              "required": ["city", "temp"], "additionalProperties": False}
+    fn = [{"type": "function", "function": {"name": "report", "parameters": params}}]
+    grammar = tools.forced_grammar(fn, HERMES, parallel=False)
+    failed, warnings = llguidance.LLMatcher.validate_grammar_with_warnings(llguidance.grammar_from("lark", grammar))
+    assert not failed, warnings
+    rng = random.Random(5)
+    for _ in range(6):
+        text = _walk(models["qwen3"], grammar, rng, most=600)
+        content, calls = parse(text, HERMES)
+        assert content is None and calls, text
+        args = json.loads(calls[0].arguments)
+        jsonschema.validate(args, params)
+        assert abs(args["temp"]) <= 2**53
