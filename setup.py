@@ -50,7 +50,7 @@ QKERNEL_DIR = os.path.join("slotinfer", "cpu", "qkernel")
 if sys.platform == "linux":
     # sources, include dirs and the mlx library are filled in by BuildExt once mlx and nanobind import
     ext_modules.append(Extension(QKERNEL, [os.path.join(QKERNEL_DIR, "qlinear.cpp")], language="c++",
-                                 depends=[os.path.join(QKERNEL_DIR, "qkernels.h"), os.path.join(QKERNEL_DIR, "decode_ops.h")], optional=True))
+                                 depends=[os.path.join(QKERNEL_DIR, f) for f in ("decode_ops.h", "kernels.h", "loops.h", "qkernels.h", "simd.h")], optional=True))
 
 
 class BuildExt(build_ext):

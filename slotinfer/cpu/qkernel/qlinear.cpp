@@ -1,6 +1,6 @@
 // MLX primitives for x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1), CPU only, its
 // thread pool, and the Python binding; and for a decode step's RMSNorm, rope from tables and paged
-// attention (one node each).  The loops are in qkernels.h and decode_ops.h.
+// attention (one node each).  The loops are in kernels.h.
 #include <pthread.h>
 
 #include <algorithm>
@@ -22,8 +22,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
-#include "decode_ops.h"
-#include "qkernels.h"
+#include "kernels.h"
 
 #ifndef QK_MLX_VERSION
 #define QK_MLX_VERSION "unknown"
