@@ -67,11 +67,7 @@ struct Kernels<QK_ISA> {
         for (int c = 0; c < C; ++c) job.out[(size_t)r * job.n + j + c] = I::reduce(acc[r][c]);
     }
     if constexpr (C > 1) {
-      if (j < job.j1) {
-        Job rest = job;
-        rest.j0 = j;
-        rows<F, 1, R>(rest);
-      }
+      if (j < job.j1) rows<F, 1, R>(job.from(j));  // the last columns, fewer than a panel
     }
   }
 
@@ -114,11 +110,7 @@ struct Kernels<QK_ISA> {
       }
     }
     if constexpr (C > 1) {
-      if (j < job.j1) {
-        Job rest = job;
-        rest.j0 = j;
-        panels<F, 1>(rest, buf);
-      }
+      if (j < job.j1) panels<F, 1>(job.from(j), buf);  // the last columns, fewer than a panel
     }
   }
 

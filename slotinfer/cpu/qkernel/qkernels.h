@@ -109,6 +109,12 @@ struct Job {
   const uint8_t* W;
   float* out;
   int m, k, n, j0, j1;
+
+  Job from(int j) const {  // the same job from column j on
+    Job rest = *this;
+    rest.j0 = j;
+    return rest;
+  }
 };
 
 // Software prefetch for the few-row paths, whose columns are read in groups of C whole weight rows,
