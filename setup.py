@@ -49,8 +49,13 @@ QKERNEL = "slotinfer.cpu.qkernel._qkernel"
 QKERNEL_DIR = os.path.join("slotinfer", "cpu", "qkernel")
 if sys.platform == "linux":
     # sources, include dirs and the mlx library are filled in by BuildExt once mlx and nanobind import
-    ext_modules.append(Extension(QKERNEL, [os.path.join(QKERNEL_DIR, "qlinear.cpp")], language="c++",
-                                 depends=[os.path.join(QKERNEL_DIR, "qkernels.h"), os.path.join(QKERNEL_DIR, "decode_ops.h")], optional=True))
+    # module.cpp: the nanobind module; primitives.cpp: the MLX primitives; the headers: the thread
+    # pool (pool.h), the primitives' base (rowwise.h) and the loops (kernels.h and what it includes)
+    QKERNEL_SOURCES = [os.path.join(QKERNEL_DIR, f) for f in ("module.cpp", "primitives.cpp")]
+    QKERNEL_HEADERS = [os.path.join(QKERNEL_DIR, f) for f in ("decode_ops.h", "kernels.h", "loops.h", "pool.h",
+                                                               "primitives.h", "qkernels.h", "rowwise.h", "simd.h")]
+    ext_modules.append(Extension(QKERNEL, list(QKERNEL_SOURCES), language="c++", depends=QKERNEL_HEADERS,
+                                 optional=True))
 
 
 class BuildExt(build_ext):
@@ -69,7 +74,7 @@ class BuildExt(build_ext):
             return None
         mlx_dir = os.path.dirname(mx.__file__)  # site-packages/mlx: include/ and lib/libmlx.so
         nb_dir = os.path.dirname(nanobind.__file__)
-        ext.sources = ext.sources[:1] + [os.path.join(nb_dir, "src", "nb_combined.cpp")]
+        ext.sources = QKERNEL_SOURCES + [os.path.join(nb_dir, "src", "nb_combined.cpp")]
         ext.include_dirs += [os.path.join(nb_dir, "include"), os.path.join(nb_dir, "ext", "robin_map", "include"),
                              os.path.join(mlx_dir, "include")]
         ext.library_dirs += [os.path.join(mlx_dir, "lib")]

@@ -3,11 +3,11 @@ primitive, W in GGUF Q8_0 / Q4_0 / Q4_1 blocks as the file stores them, float32 
 accumulation.  And a decode step's RMSNorm, rope from tables and attention over pool blocks, one
 MLX node each (``decode_ops.h``; the CPU ops use them: :func:`slotinfer.cpu.ops.cpu_ops`).
 
-The extension (``qlinear.cpp``, loops in ``qkernels.h``) is compiled when slotinfer is installed
-(``setup.py``), against the mlx wheel of the build environment; :func:`load` imports it on first
-use, and only under that same mlx version.  Where it is missing or unusable, :func:`load` returns
-None and :func:`status` says why: the CPU policy then computes these layers in float32
-(:func:`slotinfer.device.cpu_block_kernels`, docs/quantized-cpu.md).
+The extension (``module.cpp``, ``primitives.cpp``, loops in ``kernels.h``) is compiled when
+slotinfer is installed (``setup.py``), against the mlx wheel of the build environment; :func:`load`
+imports it on first use, and only under that same mlx version.  Where it is missing or unusable,
+:func:`load` returns None and :func:`status` says why: the CPU policy then computes these layers in
+float32 (:func:`slotinfer.device.cpu_block_kernels`, docs/quantized-cpu.md).
 """
 
 from __future__ import annotations

@@ -5,17 +5,16 @@
 //
 // Each loop computes a row from that row's inputs alone, in an order fixed by the code: the same
 // result for a row alone as in any batch.  The bodies are plain C++ written so the compiler
-// vectorizes them (lane arrays instead of reductions, no libm calls in the loops); each is compiled
-// three times, for AVX-512, AVX2 and the baseline, and the instruction set qk::isa() names runs.
+// vectorizes them (lane arrays instead of reductions, no libm calls in the loops); kernels.h
+// compiles them once per instruction set, as it does the products, and runs the one qk::isa() names.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
-
-#include "qkernels.h"
 
 namespace qk {
 
@@ -217,33 +216,5 @@ QK_INLINE void rope_body(const float* x, const float* cs, const float* sn, float
     }
   }
 }
-
-#ifdef QK_X86
-#define QK_DECODE_VARIANTS(name, body, params, args)      \
-  QK_AVX512 inline void name##_avx512 params { body args; } \
-  QK_AVX2 inline void name##_avx2 params { body args; }     \
-  inline void name##_base params { body args; }             \
-  inline void name params {                                 \
-    switch (isa()) {                                        \
-      case Isa::Avx512: return name##_avx512 args;          \
-      case Isa::Avx2: return name##_avx2 args;              \
-      default: return name##_base args;                     \
-    }                                                       \
-  }
-#else
-#define QK_DECODE_VARIANTS(name, body, params, args) \
-  inline void name params { body args; }
-#endif
-
-QK_DECODE_VARIANTS(attend_rows, attend_rows_body, (const AttendJob& j, int b0, int b1), (j, b0, b1))
-QK_DECODE_VARIANTS(rms_norm_rows, rms_norm_body,
-                   (const float* x, const float* w, float* y, int64_t rows, int n, float eps),
-                   (x, w, y, rows, n, eps))
-QK_DECODE_VARIANTS(gated_rows, gated_body, (const float* gu, float* y, int64_t rows, int n, int gelu),
-                   (gu, y, rows, n, gelu))
-QK_DECODE_VARIANTS(rope_rows, rope_body,
-                   (const float* x, const float* cs, const float* sn, float* y, int B, int H, int D, int half,
-                    bool per_row),
-                   (x, cs, sn, y, B, H, D, half, per_row))
 
 }  // namespace qk

@@ -1,149 +1,36 @@
-// MLX primitives for x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1), CPU only, its
-// thread pool, and the Python binding; and for a decode step's RMSNorm, rope from tables and paged
-// attention (one node each).  The loops are in qkernels.h and decode_ops.h.
-#include <pthread.h>
+// MLX primitives, CPU only: x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1), a decode
+// step's RMSNorm, rope from tables and paged attention (one node each), and the fused blocks that
+// compose them; with the functions that check their inputs and build their nodes.  The loops are
+// in kernels.h, the threads in pool.h.
+#include "primitives.h"
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <functional>
-#include <mutex>
-#include <optional>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/variant.h>
-
-#include "mlx/backend/cpu/encoder.h"
+#include "kernels.h"
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
-#include "decode_ops.h"
-#include "qkernels.h"
+#include "pool.h"
+#include "rowwise.h"
 
-#ifndef QK_MLX_VERSION
-#define QK_MLX_VERSION "unknown"
-#endif
+namespace qk {
 
-namespace mx = mlx::core;
-namespace nb = nanobind;
-using namespace nb::literals;
-
-namespace {
-
-inline void cpu_relax() {
-#ifdef QK_X86
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-// Waits for `cell` to differ from `old`: a spin of spin_us microseconds (the next product of a decode
-// step usually comes within it), then asleep in the kernel (futex), never spinning on.  Past its
-// first 20 us the spin yields the core at each turn, so that a thread with work to do (the stream
-// thread, the engine's, another process) runs first where the cores are all taken.
-template <class T>
-T await_change(std::atomic<T>& cell, T old, int spin_us) {
-  T now;
-  auto start = std::chrono::steady_clock::now();
-  auto until = start + std::chrono::microseconds(spin_us), polite = start + std::chrono::microseconds(20);
-  bool yielding = false;
-  for (int i = 0; (now = cell.load(std::memory_order_acquire)) == old; ++i) {
-    if ((i & 63) == 63 || yielding) {
-      auto t = std::chrono::steady_clock::now();
-      if (t > until) {
-        cell.wait(old, std::memory_order_acquire);
-        continue;
-      }
-      yielding = t > polite;
-    }
-    if (yielding) {
-      std::this_thread::yield();
-    } else {
-      cpu_relax();
-    }
-  }
-  return now;
-}
-
-// Worker threads for one product at a time.  The caller computes share 0 itself; a second caller
-// while a product runs (another MLX stream) computes its shares alone, which gives the same
-// results since a share's sums do not depend on the split.
-class Pool {
- public:
-  // How long a waiting thread spins before it sleeps.  Long enough to span what a decode step does
-  // between two products (attention, norms, the host's next step): a worker woken from its sleep
-  // takes tens of microseconds to run again under a hypervisor, every product.  SmolLM2 Q4_1 on 2
-  // cores, one sequence: 86 tokens/s with 20 us, 96-97 with 1-2 ms; 4 sequences 191 against 228.
-  int spin_us = 2000;
-
-  void run(int n, const std::function<void(int)>& fn) {
-    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-    if (n <= 1 || !lock.owns_lock()) {
-      for (int t = 0; t < n; ++t) fn(t);
-      return;
-    }
-    while ((int)workers_ < n - 1) {
-      // the epoch it starts from is the current one: a thread that starts late still runs this product
-      std::thread(&Pool::work, this, (int)workers_ + 1, epoch_.load(std::memory_order_relaxed)).detach();
-      ++workers_;
-    }
-    fn_ = &fn;
-    n_ = n;
-    pending_.store((int)workers_, std::memory_order_relaxed);
-    epoch_.fetch_add(1, std::memory_order_release);
-    epoch_.notify_all();
-    fn(0);
-    int left;
-    while ((left = pending_.load(std::memory_order_acquire)) != 0) await_change(pending_, left, spin_us);
-  }
-
- private:
-  void work(int index, uint32_t seen) {
-    bool used = true;
-    for (;;) {
-      // a worker the last product did not use (fewer threads now than were started) sleeps at once
-      seen = await_change(epoch_, seen, used ? spin_us : 0);
-      used = index < n_;
-      if (used) (*fn_)(index);
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) pending_.notify_one();
-    }
-  }
-
-  std::mutex busy_;
-  unsigned workers_ = 0;
-  std::atomic<uint32_t> epoch_{0};
-  std::atomic<int> pending_{0};
-  const std::function<void(int)>* fn_ = nullptr;
-  int n_ = 0;
-};
-
-// Never destroyed (its threads are detached and may be asleep at exit); a forked child, which has
-// none of the parent's threads, starts a new one.
-Pool* g_pool = new Pool();
-int g_threads = 1;
-int g_spare_rows = 4;  // products of at most this many rows leave a core free (see run)
-
-void after_fork_child() { g_pool = new Pool(); }
-const int g_atfork = pthread_atfork(nullptr, nullptr, after_fork_child);
-
-qk::Format parse_format(const std::string& name) {
-  if (name == "q8_0") return qk::Format::Q8_0;
-  if (name == "q4_0") return qk::Format::Q4_0;
-  if (name == "q4_1") return qk::Format::Q4_1;
+Format parse_format(const std::string& name) {
+  if (name == "q8_0") return Format::Q8_0;
+  if (name == "q4_0") return Format::Q4_0;
+  if (name == "q4_1") return Format::Q4_1;
   throw std::invalid_argument("format must be q8_0, q4_0 or q4_1, got " + name);
 }
+
+namespace {
 
 // The columns go to the threads in whole groups of 8 (a thread never splits a sum).
 // `spare`: the product is a node of its own in a graph of many (a decode step's separate nodes),
 // whose queueing keeps another thread busy (see below); false inside the fused blocks.
-void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int k, int n, bool spare = false) {
-  int groups = (n + qk::GROUP - 1) / qk::GROUP;
+void run(Format f, const float* x, const uint8_t* W, float* out, int m, int k, int n, bool spare = false) {
+  int groups = (n + GROUP - 1) / GROUP;
   int threads = std::max(1, std::min(g_threads, groups));
   // below ~64k multiply-adds a thread's wake-up costs more than its share saves
   if ((long)m * n * k < 65536L * threads) threads = 1;
@@ -154,112 +41,16 @@ void run(qk::Format f, const float* x, const uint8_t* W, float* out, int m, int 
   if (spare && m <= g_spare_rows) threads = std::min(threads, std::max(1, g_threads - 1));
   std::function<void(int)> share = [&](int t) {
     thread_local std::vector<float> buf;
-    int j0 = std::min(n, (int)((long)groups * t / threads) * qk::GROUP);
-    int j1 = std::min(n, (int)((long)groups * (t + 1) / threads) * qk::GROUP);
-    if (j0 < j1) qk::columns(qk::Job{f, x, W, out, m, k, n, j0, j1}, buf);
+    int j0 = std::min(n, (int)((long)groups * t / threads) * GROUP);
+    int j1 = std::min(n, (int)((long)groups * (t + 1) / threads) * GROUP);
+    if (j0 < j1) columns(Job{f, x, W, out, m, k, n, j0, j1}, buf);
   };
   g_pool->run(threads, share);
 }
 
-// An input as the kernel reads it: row-contiguous data in place (activations and parameters are), or
-// else packed at run time into `buf`, so that the graph needs no copy node in front of each product.
-template <class T>
-struct Operand {
-  const T* base;
-  std::vector<int64_t> shape, strides;
-  bool dense;
-  size_t size;
-
-  explicit Operand(const mx::array& a)
-      : base(a.data<T>()), shape(a.shape().begin(), a.shape().end()),
-        strides(a.strides().begin(), a.strides().end()), dense(a.flags().row_contiguous), size(a.size()) {}
-
-  const T* packed(std::vector<T>& buf) const {
-    if (dense || size == 0) return base;
-    buf.resize(size);
-    copy_out(reinterpret_cast<uint8_t*>(buf.data()), sizeof(T));
-    return buf.data();
-  }
-
-  // For an input of another dtype seen as bytes: the same, an element being `width` bytes.
-  const void* packed_as(std::vector<uint8_t>& buf, int width) const {
-    if (dense || size == 0) return base;
-    buf.resize(size * width);
-    copy_out(buf.data(), width);
-    return buf.data();
-  }
-
- private:
-  void copy_out(uint8_t* dst, int width) const {  // the elements in row-major order, last axis fastest
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(base);
-    std::vector<int64_t> at(shape.size(), 0);
-    int64_t off = 0;
-    for (size_t i = 0; i < size; ++i) {
-      std::memcpy(dst + i * width, src + off * width, width);
-      for (int d = (int)shape.size() - 1; d >= 0; --d) {
-        off += strides[d];
-        if (++at[d] < shape[d]) break;
-        off -= strides[d] * shape[d];
-        at[d] = 0;
-      }
-    }
-  }
-};
-
-// A primitive whose inputs are read as row-contiguous float32 (packed at run time when they are not)
-// and whose one float32 output is written by `fn(inputs, out)`.
-class Rowwise : public mx::Primitive {
- public:
-  using Fn = std::function<void(const std::vector<const float*>&, const std::vector<const void*>&, float*)>;
-
-  explicit Rowwise(mx::Stream s) : mx::Primitive(s) {}
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(std::string(name()) + " has no GPU kernel: MLX's own ops serve there");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {out_shape(inputs)}; }
-
- protected:
-  virtual mx::Shape out_shape(const std::vector<mx::array>& inputs) const = 0;
-  // what runs on the stream's thread: float inputs (packed), other inputs (packed, as bytes), the output
-  virtual Fn body(const std::vector<mx::array>& inputs) const = 0;
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    mx::array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    std::vector<Operand<float>> floats;
-    std::vector<Operand<uint8_t>> others;  // bool / int32 inputs, packed element by element in their width
-    std::vector<int> width;
-    for (auto& a : inputs) {
-      enc.set_input_array(a);
-      if (a.dtype() == mx::float32) {
-        floats.emplace_back(a);
-      } else {
-        others.emplace_back(a);
-        width.push_back((int)a.itemsize());
-      }
-    }
-    enc.set_output_array(out);
-    enc.dispatch([fn = body(inputs), floats = std::move(floats), others = std::move(others), width = std::move(width),
-                  op = out.data<float>()]() {
-      thread_local std::vector<std::vector<float>> fbuf;
-      thread_local std::vector<std::vector<uint8_t>> obuf;
-      fbuf.resize(std::max(fbuf.size(), floats.size()));
-      obuf.resize(std::max(obuf.size(), others.size()));
-      std::vector<const float*> fp;
-      std::vector<const void*> opp;
-      for (size_t i = 0; i < floats.size(); ++i) fp.push_back(floats[i].packed(fbuf[i]));
-      for (size_t i = 0; i < others.size(); ++i) opp.push_back(others[i].packed_as(obuf[i], width[i]));
-      fn(fp, opp, op);
-    });
-  }
-};
-
 class QuantizedLinear : public Rowwise {
  public:
-  QuantizedLinear(mx::Stream s, qk::Format f) : Rowwise(s), format_(f) {}
+  QuantizedLinear(mx::Stream s, Format f) : Rowwise(s), format_(f) {}
   const char* name() const override { return "QuantizedLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const QuantizedLinear*>(&other);
@@ -274,14 +65,14 @@ class QuantizedLinear : public Rowwise {
   }
   Fn body(const std::vector<mx::array>& in) const override {
     const int k = in[0].shape(-1), n = in[1].shape(0), m = (int)(in[0].size() / std::max(k, 1));
-    const qk::Format f = format_;
+    const Format f = format_;
     return [=](const std::vector<const float*>& x, const std::vector<const void*>& w, float* out) {
       run(f, x[0], static_cast<const uint8_t*>(w[0]), out, m, k, n, true);
     };
   }
 
  private:
-  qk::Format format_;
+  Format format_;
 };
 
 class RmsNorm : public Rowwise {
@@ -301,7 +92,7 @@ class RmsNorm : public Rowwise {
     bool weighted = in.size() > 1;
     float eps = eps_;
     return [=](const std::vector<const float*>& f, const std::vector<const void*>&, float* out) {
-      qk::rms_norm_rows(f[0], weighted ? f[1] : nullptr, out, rows, n, eps);
+      rms_norm_rows(f[0], weighted ? f[1] : nullptr, out, rows, n, eps);
     };
   }
 
@@ -321,16 +112,16 @@ class RopeApply : public Rowwise {
     int B = in[0].shape(0), H = in[0].shape(1), D = in[0].shape(3), half = in[1].shape(-1);
     bool per_row = in[1].shape(0) != 1 || B == 1;
     return [=](const std::vector<const float*>& f, const std::vector<const void*>&, float* out) {
-      qk::rope_rows(f[0], f[1], f[2], out, B, H, D, half, per_row);
+      rope_rows(f[0], f[1], f[2], out, B, H, D, half, per_row);
     };
   }
 };
 
 // An attention job's sizes, for B rows of `heads` query heads over `keys` [blocks, kvh, bs, D]
 // through `tables` [B, nblk], under `mask` (bool, one row of the span for all rows or one each).
-qk::AttendJob attend_job(int B, int heads, const mx::array& keys, const mx::array& tables, const mx::array* mask,
+AttendJob attend_job(int B, int heads, const mx::array& keys, const mx::array& tables, const mx::array* mask,
                          float scale, float softcap) {
-  qk::AttendJob j{};
+  AttendJob j{};
   j.B = B;
   j.H = heads;
   j.kvh = keys.shape(1);
@@ -358,7 +149,7 @@ class PagedDecodeAttention : public Rowwise {
   mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[0].shape(); }
   Fn body(const std::vector<mx::array>& in) const override {
     bool masked = in.size() > 4;
-    qk::AttendJob j = attend_job(in[0].shape(0), in[0].shape(1), in[1], in[3], masked ? &in[4] : nullptr, scale_,
+    AttendJob j = attend_job(in[0].shape(0), in[0].shape(1), in[1], in[3], masked ? &in[4] : nullptr, scale_,
                                  softcap_);
     return [=](const std::vector<const float*>& f, const std::vector<const void*>& o, float* out) mutable {
       j.q = f[0];
@@ -367,7 +158,7 @@ class PagedDecodeAttention : public Rowwise {
       j.tables = static_cast<const int32_t*>(o[0]);
       j.mask = masked ? static_cast<const bool*>(o[1]) : nullptr;
       j.out = out;
-      qk::attend_rows(j, 0, j.B);
+      attend_rows(j, 0, j.B);
     };
   }
 
@@ -386,7 +177,7 @@ class PagedDecodeAttention : public Rowwise {
 // bias [(heads + 2 kvh) D] and q/k norm weights [(heads + kvh) D]
 class QkvRope : public Rowwise {
  public:
-  QkvRope(mx::Stream s, qk::Format f, float eps, int heads, int kv_heads, bool bias, bool qk_norm)
+  QkvRope(mx::Stream s, Format f, float eps, int heads, int kv_heads, bool bias, bool qk_norm)
       : Rowwise(s), f_(f), eps_(eps), heads_(heads), kvh_(kv_heads), bias_(bias), qk_norm_(qk_norm) {}
   const char* name() const override { return "SlotinferQkvRope"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -403,7 +194,7 @@ class QkvRope : public Rowwise {
     const int B = in[0].shape(0), hid = in[0].shape(-1), nq = in[2].shape(0), H = heads_, kvh = kvh_;
     const int D = nq / (H + 2 * kvh), half = in[3].shape(-1);
     const bool per_row = in[3].size() != (size_t)half, bias = bias_, norm = qk_norm_;
-    const qk::Format f = f_;
+    const Format f = f_;
     const float eps = eps_;
     return [=](const std::vector<const float*>& fp, const std::vector<const void*>& w, float* out) {
       // floats: x, w_norm, cos, sin, [bias], [qk_norm]
@@ -411,7 +202,7 @@ class QkvRope : public Rowwise {
       const float* qkw = norm ? fp[4 + bias] : nullptr;
       thread_local std::vector<float> xn;
       xn.resize((size_t)B * hid);
-      qk::rms_norm_rows(fp[0], fp[1], xn.data(), B, hid, eps);
+      rms_norm_rows(fp[0], fp[1], xn.data(), B, hid, eps);
       run(f, xn.data(), static_cast<const uint8_t*>(w[0]), out, B, hid, nq);
       for (int b = 0; b < B; ++b) {
         float* row = out + (size_t)b * nq;
@@ -419,15 +210,15 @@ class QkvRope : public Rowwise {
           for (int i = 0; i < nq; ++i) row[i] = row[i] + bp[i];
         if (qkw)  // Qwen 3's and Gemma 3's per-head norms of queries and keys: (x * scale) * w
           for (int hh = 0; hh < H + kvh; ++hh)
-            qk::rms_norm_rows(row + (size_t)hh * D, qkw + (size_t)hh * D, row + (size_t)hh * D, 1, D, eps);
+            rms_norm_rows(row + (size_t)hh * D, qkw + (size_t)hh * D, row + (size_t)hh * D, 1, D, eps);
         size_t t = per_row ? (size_t)b * half : 0;
-        qk::rope_rows(row, fp[2] + t, fp[3] + t, row, 1, H + kvh, D, half, false);
+        rope_rows(row, fp[2] + t, fp[3] + t, row, 1, H + kvh, D, half, false);
       }
     };
   }
 
  private:
-  qk::Format f_;
+  Format f_;
   float eps_;
   int heads_, kvh_;
   bool bias_, qk_norm_;
@@ -437,7 +228,7 @@ class QkvRope : public Rowwise {
 // x [B, 1, hid] (the residual), tables [B, nblk] int32, mask bool [B or 1, span], w_o (blocks)
 class AttendOut : public Rowwise {
  public:
-  AttendOut(mx::Stream s, qk::Format f, int heads, float scale, float softcap)
+  AttendOut(mx::Stream s, Format f, int heads, float scale, float softcap)
       : Rowwise(s), f_(f), heads_(heads), scale_(scale), softcap_(softcap) {}
   const char* name() const override { return "SlotinferAttendOut"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -448,10 +239,10 @@ class AttendOut : public Rowwise {
  protected:
   mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[3].shape(); }
   Fn body(const std::vector<mx::array>& in) const override {
-    qk::AttendJob j = attend_job(in[0].shape(0), heads_, in[1], in[4], &in[5], scale_, softcap_);
+    AttendJob j = attend_job(in[0].shape(0), heads_, in[1], in[4], &in[5], scale_, softcap_);
     j.q_stride = in[0].shape(-1);
     const int hid = in[3].shape(-1);
-    const qk::Format f = f_;
+    const Format f = f_;
     return [=](const std::vector<const float*>& fp, const std::vector<const void*>& o, float* out) mutable {
       // floats: qkv, keys, values, x; others: tables, mask, w_o
       thread_local std::vector<float> att, y;
@@ -463,14 +254,14 @@ class AttendOut : public Rowwise {
       j.tables = static_cast<const int32_t*>(o[0]);
       j.mask = static_cast<const bool*>(o[1]);
       j.out = att.data();
-      qk::attend_rows(j, 0, j.B);
+      attend_rows(j, 0, j.B);
       run(f, att.data(), static_cast<const uint8_t*>(o[2]), y.data(), j.B, j.H * j.D, hid);
       for (size_t i = 0; i < (size_t)j.B * hid; ++i) out[i] = fp[3][i] + y[i];
     };
   }
 
  private:
-  qk::Format f_;
+  Format f_;
   int heads_;
   float scale_, softcap_;
 };
@@ -478,7 +269,7 @@ class AttendOut : public Rowwise {
 // h + down(act(gate_up(rms_norm(h) * w_norm))), act silu (0) or gelu_tanh (1) of gate times up.
 class MlpBlock : public Rowwise {
  public:
-  MlpBlock(mx::Stream s, qk::Format fgu, qk::Format fd, float eps, int gelu)
+  MlpBlock(mx::Stream s, Format fgu, Format fd, float eps, int gelu)
       : Rowwise(s), fgu_(fgu), fd_(fd), eps_(eps), gelu_(gelu) {}
   const char* name() const override { return "SlotinferMlpBlock"; }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -500,16 +291,16 @@ class MlpBlock : public Rowwise {
       gu.resize(rows * 2 * n);
       a.resize(rows * n);
       d.resize(rows * hid);
-      qk::rms_norm_rows(f[0], f[1], xn.data(), rows, hid, eps);
+      rms_norm_rows(f[0], f[1], xn.data(), rows, hid, eps);
       run(fgu, xn.data(), static_cast<const uint8_t*>(w[0]), gu.data(), (int)rows, hid, 2 * n);
-      qk::gated_rows(gu.data(), a.data(), rows, n, gelu);
+      gated_rows(gu.data(), a.data(), rows, n, gelu);
       run(fd, a.data(), static_cast<const uint8_t*>(w[1]), d.data(), (int)rows, n, hid);
       for (int64_t i = 0; i < rows * hid; ++i) out[i] = f[0][i] + d[i];
     };
   }
 
  private:
-  qk::Format fgu_, fd_;
+  Format fgu_, fd_;
   float eps_;
   int gelu_;
 };
@@ -523,6 +314,8 @@ mx::StreamOrDevice cpu_only(mx::StreamOrDevice s, const char* what) {
 void need_f32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(what) + " must be float32");
 }
+
+}  // namespace
 
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s) {
   need_f32(x, "x");
@@ -576,10 +369,10 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& keys, cons
   return mx::array(q.shape(), mx::float32, std::make_shared<PagedDecodeAttention>(stream, scale, softcap), std::move(in));
 }
 
-void need_blocks(const mx::array& w, int k, qk::Format f, const char* what) {
-  int bb = qk::block_bytes(f);
-  if (w.dtype() != mx::uint8 || w.ndim() != 2 || !w.flags().row_contiguous || k % qk::BLOCK != 0 ||
-      w.shape(1) != (k / qk::BLOCK) * bb)
+void need_blocks(const mx::array& w, int k, Format f, const char* what) {
+  int bb = block_bytes(f);
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || !w.flags().row_contiguous || k % BLOCK != 0 ||
+      w.shape(1) != (k / BLOCK) * bb)
     throw std::invalid_argument(std::string(what) + " must be contiguous uint8 [n, " + std::to_string(k) + " / 32 * " +
                                 std::to_string(bb) + "] blocks");
 }
@@ -592,7 +385,7 @@ mx::array qkv_rope(const mx::array& x, const mx::array& w_norm, float eps, const
   if (x.ndim() != 3 || x.shape(1) != 1) throw std::invalid_argument("x must be [B, 1, hidden]");
   int B = x.shape(0), hid = x.shape(2);
   if (w_norm.ndim() != 1 || w_norm.shape(0) != hid) throw std::invalid_argument("the norm weight must be [hidden]");
-  qk::Format f = parse_format(fmt_qkv);
+  Format f = parse_format(fmt_qkv);
   need_blocks(w_qkv, hid, f, "w_qkv");
   int groups = heads + 2 * kv_heads;
   if (heads < 1 || kv_heads < 1 || heads % kv_heads != 0 || w_qkv.shape(0) % groups != 0)
@@ -629,7 +422,7 @@ mx::array attend_out(const mx::array& qkv, const mx::array& keys, const mx::arra
   need_paged(keys, values, tables, &mask, B, heads, D);
   if (qkv.ndim() != 3 || qkv.shape(0) != B || qkv.shape(1) != 1 || qkv.shape(2) != (heads + 2 * kvh) * D)
     throw std::invalid_argument("qkv must be [B, 1, (heads + 2 kv_heads) D]");
-  qk::Format f = parse_format(fmt_o);
+  Format f = parse_format(fmt_o);
   need_blocks(w_o, heads * D, f, "w_o");
   if (w_o.shape(0) != hid) throw std::invalid_argument("w_o must have hidden rows");
   auto stream = mx::to_stream(cpu_only(s, "attend_out"));
@@ -645,7 +438,7 @@ mx::array mlp_block(const mx::array& h, const mx::array& w_norm, float eps, cons
   if (h.ndim() < 1) throw std::invalid_argument("h must have at least one axis");
   int hid = h.shape(-1);
   if (w_norm.ndim() != 1 || w_norm.shape(0) != hid) throw std::invalid_argument("the norm weight must be [hidden]");
-  qk::Format fgu = parse_format(fmt_gate_up), fd = parse_format(fmt_down);
+  Format fgu = parse_format(fmt_gate_up), fd = parse_format(fmt_down);
   need_blocks(w_gate_up, hid, fgu, "w_gate_up");
   int n = w_gate_up.shape(0) / 2;
   if (w_gate_up.shape(0) % 2 != 0) throw std::invalid_argument("w_gate_up must have an even number of rows");
@@ -660,13 +453,13 @@ mx::array mlp_block(const mx::array& h, const mx::array& w_norm, float eps, cons
 }
 
 mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, mx::StreamOrDevice s) {
-  qk::Format f = parse_format(format);
+  Format f = parse_format(format);
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
   if (w.dtype() != mx::uint8 || w.ndim() != 2) throw std::invalid_argument("w must be a 2-D uint8 array of blocks");
   if (x.ndim() < 1) throw std::invalid_argument("x must have at least one axis");
   int k = x.shape(-1);
-  int bb = qk::block_bytes(f);
-  if (k % qk::BLOCK != 0 || w.shape(1) != (k / qk::BLOCK) * bb)
+  int bb = block_bytes(f);
+  if (k % BLOCK != 0 || w.shape(1) != (k / BLOCK) * bb)
     throw std::invalid_argument("w's rows must hold x.shape[-1] / 32 blocks of " + std::to_string(bb) + " bytes");
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("qlinear runs on the CPU only");
@@ -675,50 +468,4 @@ mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& for
   return mx::array(shape, mx::float32, std::make_shared<QuantizedLinear>(stream, f), {x, w});
 }
 
-}  // namespace
-
-NB_MODULE(_qkernel, m) {
-  m.doc() = "slotinfer's quantized linear layer on CPU (GGUF Q8_0 / Q4_0 / Q4_1 blocks)";
-  m.def("qlinear", &qlinear, "x"_a, "w"_a, "format"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x @ dequant(w).T for w [n, k/32 blocks] in GGUF blocks (q8_0, q4_0, q4_1); float32 out");
-  m.def("rms_norm", &rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x * (1 / sqrt(mean(x^2) + eps)) * weight over the last axis, float32 (weight may be None)");
-  m.def("rope_apply", &rope_apply, "x"_a, "cos"_a, "sin"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "rope of x [B, heads, 1, D] from tables cos, sin [B or 1, 1, 1, half]");
-  m.def("paged_decode_attention", &paged_decode_attention, "q"_a, "keys"_a, "values"_a, "tables"_a, "mask"_a.none(),
-        "scale"_a, "softcap"_a = 0.0f, nb::kw_only(), "stream"_a = nb::none(),
-        "softmax attention of q [B, heads, 1, D] (times scale) over the blocks tables [B, n] of pools "
-        "[blocks, kv_heads, block_size, D]; mask: bool [B or 1, ..., n * block_size] or None");
-  m.def("qkv_rope", &qkv_rope, "x"_a, "w_norm"_a, "eps"_a, "w_qkv"_a, "fmt_qkv"_a, "cos"_a, "sin"_a, "heads"_a,
-        "kv_heads"_a, nb::kw_only(), "qkv_bias"_a.none() = nb::none(), "qk_norm"_a.none() = nb::none(),
-        "stream"_a = nb::none(),
-        "rope(qk_norm(qkv(rms_norm(x) * w_norm) + qkv_bias)) of x [B, 1, hidden]: [B, 1, (heads + 2 kv_heads) D], "
-        "queries and keys rotated by the tables cos, sin [B or 1, half]");
-  m.def("attend_out", &attend_out, "qkv"_a, "keys"_a, "values"_a, "tables"_a, "mask"_a, "w_o"_a, "fmt_o"_a, "x"_a,
-        "heads"_a, "scale"_a, "softcap"_a = 0.0f, nb::kw_only(), "stream"_a = nb::none(),
-        "x + o(attention of qkv's queries over the blocks tables [B, n] of the pools, under mask)");
-  m.def("mlp_block", &mlp_block, "h"_a, "w_norm"_a, "eps"_a, "w_gate_up"_a, "fmt_gate_up"_a, "w_down"_a, "fmt_down"_a,
-        "activation"_a = "silu", nb::kw_only(), "stream"_a = nb::none(),
-        "h + down(act(gate) * up) of rms_norm(h) * w_norm, gate | up from w_gate_up (act: silu or gelu_tanh)");
-  m.attr("mlx_version") = QK_MLX_VERSION;  // the mlx whose headers and library it was built against
-  m.def("block_bytes", [](const std::string& f) { return qk::block_bytes(parse_format(f)); });
-  m.def("set_threads", [](int t) { g_threads = std::max(1, t); }, "threads"_a);
-  m.def("threads", []() { return g_threads; });
-  m.def("set_spare_rows", [](int rows) { g_spare_rows = rows; }, "rows"_a,
-        "products of at most this many rows leave one core to the other threads (default 4; 0: never)");
-  m.def("set_spin_us", [](int us) { g_pool->spin_us = std::max(0, us); }, "microseconds"_a);
-  m.def("kernels", []() { return std::string(qk::isa_name(qk::isa())); }, "the loops in use");
-  m.def("best_kernels", []() { return std::string(qk::isa_name(qk::best_isa())); }, "the best loops this CPU runs");
-  m.def(
-      "set_kernels",
-      [](const std::string& name) {
-        for (qk::Isa i : {qk::Isa::Portable, qk::Isa::Avx2, qk::Isa::Avx512})
-          if (name == qk::isa_name(i)) {
-            if ((int)i > (int)qk::best_isa()) throw std::invalid_argument("this CPU cannot run " + name);
-            qk::isa() = i;
-            return;
-          }
-        throw std::invalid_argument("kernels must be portable, avx2 or avx512, got " + name);
-      },
-      "name"_a, "use these loops (portable, avx2, avx512; up to what the CPU runs): for tests");
-}
+}  // namespace qk

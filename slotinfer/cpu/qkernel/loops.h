@@ -1,0 +1,137 @@
+// The loops, written once against an instruction set's traits (simd.h) and compiled once per
+// instruction set: kernels.h includes this file with QK_ISA naming the traits type and QK_TARGET
+// its target attribute (GCC takes a target from an attribute, never from a template parameter).
+// No include guard: that is the point.
+//
+// Products (qkernels.h says what they compute and the order of their sums): a panel of PANEL
+// columns is decoded once and met by every row of x in tiles of TILE_ROWS rows; up to ROWS rows
+// skip the panel and meet each decoded block straight from registers, with the same multiply-adds
+// in the same order (the same sums, bit for bit).  A decode step's other loops (decode_ops.h) are
+// plain C++ the compiler vectorizes for the target.
+
+template <>
+struct Kernels<QK_ISA> {
+  using I = QK_ISA;
+  using V = I::V;
+  static constexpr int W = I::W, SLICES = BLOCK / I::W;
+
+  // R rows x C columns against blocks [b0, b1) of a decoded panel wp ([nb][C][32] floats); x rows k
+  // floats apart.  The accumulators start at zero (b0 == 0) or from `keep`, and end in `keep` or,
+  // after the last block, reduced into out.
+  template <int R, int C>
+  QK_TARGET static void tile(const float* wp, const float* x, int k, int b0, int b1, float* keep, float* out, int n) {
+    V acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = b0 == 0 ? I::zero() : I::load(keep + (r * C + c) * W);
+    wp += (size_t)b0 * C * BLOCK;
+    for (int b = b0; b < b1; ++b, wp += C * BLOCK) {
+      for (int s = 0; s < SLICES; ++s) {
+        V w[C];
+        for (int c = 0; c < C; ++c) w[c] = I::load(wp + c * BLOCK + W * s);
+        for (int r = 0; r < R; ++r) {
+          V xv = I::load(x + (size_t)r * k + b * BLOCK + W * s);
+          for (int c = 0; c < C; ++c) acc[r][c] = I::fma(w[c], xv, acc[r][c]);
+        }
+      }
+    }
+    if (b1 * BLOCK == k) {
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) out[(size_t)r * n + c] = I::reduce(acc[r][c]);
+    } else {
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) I::store(keep + (r * C + c) * W, acc[r][c]);
+    }
+  }
+
+  // R rows (at most ROWS): each decoded block meets the rows of x straight from registers.
+  template <Format F, int C, int R>
+  QK_TARGET static void rows(const Job& job) {
+    const int nb = job.k / BLOCK, bb = block_bytes(F);
+    const size_t row_bytes = (size_t)nb * bb;
+    int j = job.j0;
+    for (; j + C <= job.j1; j += C) {
+      V acc[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = I::zero();
+      for (int b = 0; b < nb; ++b) {
+        prefetch_group(job, j, C, row_bytes, b, bb);
+        V w[C][SLICES];
+        for (int c = 0; c < C; ++c) I::template decode<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
+        for (int s = 0; s < SLICES; ++s)
+          for (int r = 0; r < R; ++r) {
+            V xv = I::load(job.x + (size_t)r * job.k + b * BLOCK + W * s);
+            for (int c = 0; c < C; ++c) acc[r][c] = I::fma(w[c][s], xv, acc[r][c]);
+          }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) job.out[(size_t)r * job.n + j + c] = I::reduce(acc[r][c]);
+    }
+    if constexpr (C > 1) {
+      if (j < job.j1) rows<F, 1, R>(job.from(j));  // the last columns, fewer than a panel
+    }
+  }
+
+  // job.m rows, R <= job.m <= ROWS, by rows<F, C, job.m>
+  template <Format F, int C, int R = 1>
+  QK_TARGET static void few_rows(const Job& job) {
+    if constexpr (R < I::ROWS) {
+      if (job.m != R) return few_rows<F, C, R + 1>(job);
+    }
+    rows<F, C, R>(job);
+  }
+
+  // Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of K_CHUNK
+  // blocks so that a chunk of the panel and of TILE_ROWS rows of x stay in L1 while the rows go by.
+  template <Format F, int C>
+  QK_TARGET static void panels(const Job& job, std::vector<float>& buf) {
+    if (job.m <= I::ROWS) return few_rows<F, C>(job);
+    const int nb = job.k / BLOCK, bb = block_bytes(F), k = job.k;
+    const size_t row_bytes = (size_t)nb * bb;
+    buf.resize((size_t)k * C + (size_t)job.m * C * W);
+    float* wp = buf.data();
+    float* keep = wp + (size_t)k * C;
+    int j = job.j0;
+    for (; j + C <= job.j1; j += C) {
+      for (int b = 0; b < nb; ++b)
+        for (int c = 0; c < C; ++c) {
+          V w[SLICES];
+          I::template decode<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w);
+          for (int s = 0; s < SLICES; ++s) I::store(wp + (b * C + c) * BLOCK + W * s, w[s]);
+        }
+      for (int b0 = 0; b0 < nb; b0 += K_CHUNK) {
+        const int b1 = std::min(nb, b0 + K_CHUNK);
+        int r = 0;
+        for (; r + TILE_ROWS <= job.m; r += TILE_ROWS)
+          tile<TILE_ROWS, C>(wp, job.x + (size_t)r * k, k, b0, b1, keep + (size_t)r * C * W,
+                             job.out + (size_t)r * job.n + j, job.n);
+        for (; r < job.m; ++r)
+          tile<1, C>(wp, job.x + (size_t)r * k, k, b0, b1, keep + (size_t)r * C * W, job.out + (size_t)r * job.n + j,
+                     job.n);
+      }
+    }
+    if constexpr (C > 1) {
+      if (j < job.j1) panels<F, 1>(job.from(j), buf);  // the last columns, fewer than a panel
+    }
+  }
+
+  // ---------------------------------------------------------------- entry points
+
+  QK_TARGET static void columns(const Job& job, std::vector<float>& buf) {
+    switch (job.f) {
+      case Format::Q8_0: return panels<Format::Q8_0, I::PANEL>(job, buf);
+      case Format::Q4_0: return panels<Format::Q4_0, I::PANEL>(job, buf);
+      case Format::Q4_1: return panels<Format::Q4_1, I::PANEL>(job, buf);
+    }
+  }
+  QK_TARGET static void attend_rows(const AttendJob& j, int b0, int b1) { attend_rows_body(j, b0, b1); }
+  QK_TARGET static void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int n, float eps) {
+    rms_norm_body(x, w, y, rows, n, eps);
+  }
+  QK_TARGET static void gated_rows(const float* gu, float* y, int64_t rows, int n, int gelu) {
+    gated_body(gu, y, rows, n, gelu);
+  }
+  QK_TARGET static void rope_rows(const float* x, const float* cs, const float* sn, float* y, int B, int H, int D,
+                                  int half, bool per_row) {
+    rope_body(x, cs, sn, y, B, H, D, half, per_row);
+  }
+};

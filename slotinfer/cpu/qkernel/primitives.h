@@ -1,0 +1,38 @@
+// What the Python module binds: functions that check their inputs and return the node of one of
+// the primitives (primitives.cpp), and the settings of how a product is shared among threads.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+#include "qkernels.h"
+
+namespace qk {
+
+namespace mx = mlx::core;
+
+inline int g_threads = 1;
+inline int g_spare_rows = 4;  // products of at most this many rows leave a core free (primitives.cpp, run)
+
+Format parse_format(const std::string& name);
+
+mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, mx::StreamOrDevice s);
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s);
+mx::array rope_apply(const mx::array& x, const mx::array& cos, const mx::array& sin, mx::StreamOrDevice s);
+mx::array paged_decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
+                                 const mx::array& tables, const std::optional<mx::array>& mask, float scale,
+                                 float softcap, mx::StreamOrDevice s);
+mx::array qkv_rope(const mx::array& x, const mx::array& w_norm, float eps, const mx::array& w_qkv,
+                   const std::string& fmt_qkv, const mx::array& cos, const mx::array& sin, int heads, int kv_heads,
+                   const std::optional<mx::array>& qkv_bias, const std::optional<mx::array>& qk_norm,
+                   mx::StreamOrDevice s);
+mx::array attend_out(const mx::array& qkv, const mx::array& keys, const mx::array& values, const mx::array& tables,
+                     const mx::array& mask, const mx::array& w_o, const std::string& fmt_o, const mx::array& x,
+                     int heads, float scale, float softcap, mx::StreamOrDevice s);
+mx::array mlp_block(const mx::array& h, const mx::array& w_norm, float eps, const mx::array& w_gate_up,
+                    const std::string& fmt_gate_up, const mx::array& w_down, const std::string& fmt_down,
+                    const std::string& activation, mx::StreamOrDevice s);
+
+}  // namespace qk
