@@ -22,14 +22,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import tools
+from .. import reasoning, tools
 from ..cpu import allocator
 from ..errors import Cancelled, InvalidRequestError, PromptTooLongError
 from ..request import CONSTRAINTS, short
+from . import anthropic, openai_responses
 from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
-from .responses import DONE, Shaper, TokenText, sse, usage
+from .responses import Shaper, TokenText, usage
 from .schemas import ClassifyLimits, GenerateRequest, parse_chat, parse_classify, parse_completion
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
@@ -59,6 +60,9 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/classify", server.classify, methods=["POST"]),
+        Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.slotinfer = server
@@ -130,11 +134,19 @@ class _Server:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool):
+        return await self._run(request, "chat" if chat else "completions", parse_chat if chat else parse_completion,
+                               lambda req, _: Shaper(chat, self.name, self.token_text,
+                                                     self.tool_format if req.tools else None,
+                                                     reasoning=req.reasoning))
+
+    async def _run(self, request: Request, endpoint: str, parse, shaper_of, shape=None):
+        """A generation request of any dialect: ``parse`` (body -> GenerateRequest) and ``shaper_of``
+        (request, prompt tokens -> its shaper) are the dialect's; submitting, streaming and cancelling are one.
+        ``shape`` gives an error's body in the dialect's own shape (OpenAI's when None)."""
         t0 = time.perf_counter()
-        endpoint = "chat" if chat else "completions"
         try:
             self._authorize(request)
-            req = (parse_chat if chat else parse_completion)(await self._json(request))
+            req = parse(await self._json(request))
             self._check_model(req.model)
             self._check_fits(req)
             self._force_call(req)
@@ -142,12 +154,37 @@ class _Server:
             await asyncio.to_thread(self._compile, req)  # seconds for a hard schema
             handles, prompt_tokens = await self._submit(req, prompts)
         except Exception as e:
-            return self._refuse(endpoint, e)
+            return self._refuse(endpoint, e, shape)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        shaper = Shaper(chat, self.name, self.token_text, self.tool_format if req.tools else None)
+        shaper = shaper_of(req, prompt_tokens)
         if req.stream:
             return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
-        return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
+        return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint, shape)
+
+    async def responses(self, request: Request):
+        return await self._run(request, "responses", openai_responses.parse,
+                               lambda req, _: openai_responses.Shaper(req, self.name, self.tool_format, self._count))
+
+    async def messages(self, request: Request):
+        return await self._run(request, "messages", anthropic.parse,
+                               lambda req, n: anthropic.Shaper(req, self.name, self.tool_format, n,
+                                                               self.model.tokenizer.decode),
+                               shape=anthropic.error_body)
+
+    async def count_tokens(self, request: Request):
+        """Anthropic's count_tokens: the prompt's length as /v1/messages would render it, nothing generated."""
+        try:
+            self._authorize(request)
+            req = anthropic.parse(await self._json(request), counting=True)
+            self._check_model(req.model)
+            [ids] = await asyncio.to_thread(self._encode, req)
+        except Exception as e:
+            return self._refuse("count_tokens", e, anthropic.error_body)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    def _count(self, text: str) -> int:
+        """The number of tokens ``text`` takes (no BOS)."""
+        return len(self.model.tokenizer.encode(text, add_special_tokens=False))
 
     def _force_call(self, req: GenerateRequest):
         """``tool_choice`` "required" or a named function: the output constrained to a call in the
@@ -215,7 +252,9 @@ class _Server:
         texts = []
         try:
             for p in req.prompts:
-                texts.append(tools.render(model, p, req.tools) if req.chat else p)
+                texts.append(tools.render(model, p, req.tools, **req.template_kwargs) if req.chat else p)
+            if req.chat:  # where the reply starts: inside a reasoning block the prompt opened, or free to open one
+                req.reasoning = reasoning.mode(model.tokenizer.chat_template, texts[0])
             return [model.encode_prompt(t) for t in texts]
         except InvalidRequestError as e:  # the prompt itself: too long, empty, ids outside the vocabulary
             raise APIError(400, str(e), param=param,
@@ -249,7 +288,7 @@ class _Server:
             raise
         return handles, sum(map(len, prompts))
 
-    async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint):
+    async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint, shape=None):
         rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0))) for h in handles]
         everything = asyncio.gather(*rows)
         gone = asyncio.ensure_future(disconnected(request))
@@ -266,10 +305,10 @@ class _Server:
         try:
             results = everything.result()
         except Exception as e:
-            return self._refuse(endpoint, e)
+            return self._refuse(endpoint, e, shape)
         if any(c.finish_reason == "cancelled" for c in results):  # the server ended it: shutting down
             self.metrics.outcome(endpoint, "cancelled")
-            return cut_short().response()
+            return cut_short().response(shape)
         self.metrics.outcome(endpoint, "ok")
         used = usage(prompt_tokens, sum(len(c.tokens) for c in results), _cached(req, results))
         return JSONResponse(shaper.completion([(i, c, req.logprobs) for i, c in enumerate(results)], used))
@@ -292,9 +331,8 @@ class _Server:
         pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
         outcome, generated = "cancelled", 0
         try:
-            if req.chat:
-                for i in range(len(handles)):
-                    yield shaper.chunk(i, "", first=True)
+            for chunk in shaper.opening(len(handles)):
+                yield chunk
             left, failed = len(handles), None
             while left:
                 i, ev = await events.get()
@@ -316,13 +354,14 @@ class _Server:
                     yield chunk
             if failed is not None:
                 outcome = "cancelled" if failed.code == "shutting_down" else "error"
-                yield sse(failed.body())
+                for chunk in shaper.failure(failed):
+                    yield chunk
             else:
                 outcome = "ok"
-                if req.include_usage:
-                    yield shaper.usage_chunk(usage(prompt_tokens, generated,
-                                                   _cached(req, [h.result() for h in handles])))
-            yield DONE
+                results = [h.result() for h in handles]
+                used = usage(prompt_tokens, generated, _cached(req, results)) if req.include_usage else None
+                for chunk in shaper.closing(used, results):
+                    yield chunk
         finally:
             for h in handles:
                 h.cancel()  # the client left (or a row failed): free the slots at the next step
@@ -427,11 +466,11 @@ class _Server:
         and stops each classify before its next unit of work."""
         self.inf.close(drain=False)
 
-    def _refuse(self, endpoint: str, e: BaseException) -> Response:
+    def _refuse(self, endpoint: str, e: BaseException, shape=None) -> Response:
         err = from_exception(e, retry_after=self.retry_after)
         self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 408: "invalid",
                                         413: "invalid", 429: "rejected"}.get(err.status, "error"))
-        return err.response()
+        return err.response(shape)
 
     def _authorize(self, request: Request):
         check_key(request, self.api_key)

@@ -67,6 +67,8 @@ class GenerateRequest:
     tool_choice: str | None = None  # "auto", "required", or the one function's name that must be called
     parallel_tool_calls: bool = True
     constrained_by: str | None = None  # the field that constrains the output (response_format...), if one does
+    template_kwargs: dict = field(default_factory=dict)  # chat: more variables for the template (enable_thinking...)
+    reasoning: str | None = None  # chat: where the reply starts (slotinfer.reasoning.mode), set once rendered
 
 
 @dataclass(frozen=True)
@@ -391,3 +393,33 @@ def parse_classify(body: dict, limits: ClassifyLimits) -> ClassifyRequest:
 def _is_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
+
+
+# Template variables a request may not set: the renderer's own.
+_RESERVED = {"messages", "tools", "add_generation_prompt", "tokenize", "bos_token", "eos_token", "pad_token",
+             "unk_token", "documents", "continue_final_message"}
+MAX_TEMPLATE_KWARGS = 32
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def template_kwargs(body) -> dict:
+    """The chat template's extra variables: ``chat_template_kwargs`` (vLLM's, SGLang's), a top-level
+    ``enable_thinking``, and ``reasoning_effort`` "none" as ``enable_thinking: false``."""
+    kw = _get(body, "chat_template_kwargs", (dict,), "an object of template variables", {})
+    if len(kw) > MAX_TEMPLATE_KWARGS or not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise bad_param("chat_template_kwargs", f"'chat_template_kwargs' must map at most {MAX_TEMPLATE_KWARGS} "
+                                                f"variable names to values, got {short(kw)}")
+    taken = sorted(_RESERVED & set(kw))
+    if taken:
+        raise bad_param("chat_template_kwargs", f"'chat_template_kwargs' may not set {taken[0]!r}: the server "
+                                                f"renders it from the request")
+    kw = dict(kw)
+    if body.get("enable_thinking") is not None:
+        kw["enable_thinking"] = _bool(body, "enable_thinking")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise bad_param("reasoning_effort", f"'reasoning_effort' must be one of {', '.join(_EFFORTS)}, got "
+                                            f"{short(effort)}")
+    if effort == "none":
+        kw.setdefault("enable_thinking", False)
+    return kw
