@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from ..request import short
 from .blocks import CALL, REASONING, Blocks, ReplyParts, whole
 from .errors import APIError, bad_param
-from .schemas import GenerateRequest, _bool, _checked, _get, _library, _passed_on, _tools, check_fields, template_kwargs
+from .schemas import (GenerateRequest, _bool, _checked, _get, _library, _passed_on, _tools, check_fields,
+                      extensions, template_kwargs)
+from .tolerated import EXTRA
 
+_EXTRA = tuple(f for f in EXTRA if f != "json_schema")  # the output's schema has its own field here
 # Anthropic's fields that change nothing here, then the extensions the chat endpoint takes (docs/serve.md).
 IGNORED = ("metadata", "service_tier", "container", "context_management", "inference_geo", "mcp_servers",
            "cache_control", "diagnostics", "speed", "user_profile_id", "workspace_id")
@@ -27,8 +30,7 @@ COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking
 FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
           "tools", "tool_choice", "thinking", "output_format", "output_config", *IGNORED,
           "min_p", "repetition_penalty", "seed", "frequency_penalty", "presence_penalty", "ignore_eos",
-          "skip_special_tokens", "stop_token_ids", "cache_salt", "chat_template_kwargs", "enable_thinking",
-          "reasoning_effort", "cache_prompt", "n_predict", "repetition_context_size")
+          "skip_special_tokens", "stop_token_ids", "cache_salt", *_EXTRA)
 
 # Anthropic's error types by status (docs.anthropic.com: errors)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -68,6 +70,7 @@ def parse(body: dict, *, counting: bool = False) -> MessagesRequest:
         if stops:
             req.params["stop"] = list(_checked("stop", stops, "stop_sequences"))
             req.stops = tuple(req.params["stop"])
+        extensions(body, req.params)
         _passed_on({k: v for k, v in body.items() if k != "stop"}, req.params)
         for name in ("presence_penalty", "frequency_penalty"):
             if body.get(name) not in (None, 0, 0.0):

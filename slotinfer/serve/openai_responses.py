@@ -17,11 +17,13 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..request import short
-from .blocks import CALL, REASONING, TEXT, Blocks, ReplyParts, whole
+from .blocks import CALL, REASONING, Blocks, ReplyParts, whole
 from .errors import bad_param
 from .schemas import (GenerateRequest, _bool, _checked, _get, _library, _passed_on, _penalties, _tools,
-                      check_fields, template_kwargs)
+                      check_fields, extensions, template_kwargs)
+from .tolerated import EXTRA
 
+_EXTRA = tuple(f for f in EXTRA if f != "json_schema")  # the output's schema has its own field here
 # Responses' own fields that change nothing here (stateless, text only), then the extensions the chat
 # endpoint takes (docs/serve.md lists them all).
 IGNORED = ("store", "include", "metadata", "user", "service_tier", "truncation", "prompt_cache_key",
@@ -30,8 +32,7 @@ IGNORED = ("store", "include", "metadata", "user", "service_tier", "truncation",
 FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
           "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id", "conversation", "prompt",
           *IGNORED, "top_k", "min_p", "repetition_penalty", "seed", "stop", "frequency_penalty", "presence_penalty",
-          "logit_bias", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt", "chat_template_kwargs",
-          "reasoning_effort", "cache_prompt", "n_predict", "repetition_context_size")
+          "logit_bias", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt", *_EXTRA)
 
 
 @dataclass
@@ -58,6 +59,7 @@ def parse(body: dict) -> ResponsesRequest:
     if limit is not None:
         key = "max_output_tokens" if body.get("max_output_tokens") is not None else "n_predict"
         req.max_tokens, req.max_tokens_param = _checked("max_tokens", limit, key), key
+    extensions(body, req.params)
     _passed_on(body, req.params)
     _penalties(body, req.params)
     _text_format(body, req)
@@ -312,5 +314,3 @@ class Shaper(Blocks):
                             part=part),
                 self._event("response.output_item.done", output_index=at, item=done)]
 
-
-__all__ = ["parse", "Shaper", "ResponsesRequest", "TEXT"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from .. import request
 from ..errors import InvalidRequestError
 from ..request import short, some
+from . import tolerated
 from .errors import bad_param
 
 MAX_N = 64  # choices per request: each is a slot's worth of work
@@ -31,7 +32,8 @@ _CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_
                 "guided_grammar")
 _SHARED = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
            "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", *_NOTHING_HERE, *_CONSTRAINTS,
-           "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt")
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt",
+           *tolerated.EXTRA)
 COMPLETION_FIELDS = ("prompt", *_SHARED, "logprobs", "echo", "suffix", "best_of")
 CHAT_FIELDS = ("messages", *_SHARED, "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                "functions", "function_call")
@@ -189,6 +191,8 @@ def _constraint(body) -> tuple[str, str, object] | None:
             found.append((f"structured_outputs.{key}", _STRUCTURED[key], value))
     found += [(f"guided_{k}", p, body[f"guided_{k}"]) for k, p in _STRUCTURED.items()
               if body.get(f"guided_{k}") is not None]
+    if body.get("json_schema") is not None:  # llama.cpp's field
+        found.append(("json_schema", "json_schema", body["json_schema"]))
     if len(found) > 1:
         raise bad_param(found[1][0], f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; give one")
     if not found:
@@ -210,9 +214,10 @@ def _common(body, chat: bool, prompts) -> GenerateRequest:
     if opts and not req.stream:
         raise bad_param("stream_options", "'stream_options' is only allowed with stream: true")
     req.include_usage = _get(opts, "include_usage", (bool,), "true or false", False)
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if body.get(key) is not None:
+    key = next((k for k in ("max_completion_tokens", "max_tokens", "n_predict") if body.get(k) is not None), None)
+    if key is not None and not (key == "n_predict" and body[key] == -1):  # llama.cpp's -1: as long as room lasts
         req.max_tokens, req.max_tokens_param = _checked("max_tokens", body[key], key), key
+    extensions(body, req.params)
     _passed_on(body, req.params)
     _penalties(body, req.params)
     constraint = _constraint(body)
@@ -253,6 +258,7 @@ def parse_chat(body: dict) -> GenerateRequest:
         raise bad_param("messages", f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got "
                                     f"{short(messages)}")
     req = _common(body, True, [[_message(m, i) for i, m in enumerate(messages)]])
+    req.template_kwargs = template_kwargs(body)
     req.logprobs = _bool(body, "logprobs")
     req.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if req.top_logprobs and not req.logprobs:
@@ -423,3 +429,11 @@ def template_kwargs(body) -> dict:
     if effort == "none":
         kw.setdefault("enable_thinking", False)
     return kw
+
+
+def extensions(body, params: dict):
+    """Other servers' fields (:mod:`.tolerated`): those set to what this server cannot honour are a 400
+    naming them; llama.cpp's ``repeat_penalty`` is ``repetition_penalty``."""
+    tolerated.check_neutral(body)
+    if body.get("repeat_penalty") is not None and body.get("repetition_penalty") is None:
+        params["repetition_penalty"] = _checked("repetition_penalty", body["repeat_penalty"], "repeat_penalty")
