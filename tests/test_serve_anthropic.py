@@ -196,3 +196,12 @@ def test_fields_that_change_nothing_here_are_accepted(client):
                                extra_body={"cache_prompt": True, "min_p": 0.05, "repetition_context_size": 20,
                                            "top_k": 5, "temperature": 0.5, "top_p": 0.9})
     assert m.usage.output_tokens >= 1
+
+
+def test_a_system_turn_mid_conversation_is_rendered_as_one(client, oai):
+    """Claude Code sends system turns among the messages (its mid-conversation system beta)."""
+    messages = [*USER, {"role": "system", "content": [{"type": "text", "text": "Answer in French."}]}]
+    count = client.messages.count_tokens(model=NAME, messages=messages)
+    want = oai.chat.completions.create(model=NAME, messages=[*USER, {"role": "system", "content": "Answer in French."}],
+                                       max_tokens=1)
+    assert count.input_tokens == want.usage.prompt_tokens

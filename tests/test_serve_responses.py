@@ -149,7 +149,7 @@ def test_cached_tokens_are_reported(client):
      "text parts"),
     (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"}]), "input[0].arguments",
      "JSON object"),
-    (dict(tools=[{"type": "web_search"}]), "tools[0].type", "only function tools"),
+    (dict(tools=[{"type": "local_shell"}]), "tools[0].type", "function and namespace tools"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "name": "nope"}), "tool_choice", "does not list"),
     (dict(text={"format": {"type": "xml"}}), "text.format", "json_schema"),
     (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}), "text.format",
@@ -188,3 +188,17 @@ def test_tools_reach_the_prompt(client, model):
     prompt = tools.render(model, [{"role": "user", "content": "hi"}], CHAT_TOOLS)
     r = client.responses.create(model=NAME, input="hi", tools=TOOLS, max_output_tokens=2)
     assert r.usage.input_tokens == len(model.encode_prompt(prompt))
+
+
+def test_hosted_tools_are_not_offered_and_namespace_tools_are_flattened(client):
+    """OpenAI's hosted tools (web_search...) have no server here: they are not offered. A namespace
+    tool's functions are offered as functions, and a call of one names its namespace (as Codex sends)."""
+    namespace = {"type": "namespace", "name": "weather", "description": "Forecasts", "tools": TOOLS}
+    plain = client.responses.create(model=NAME, input="hi", tools=TOOLS, max_output_tokens=1)
+    mixed = client.responses.create(model=NAME, input="hi", tools=[{"type": "web_search"}, namespace],
+                                    max_output_tokens=1)
+    assert mixed.usage.input_tokens == plain.usage.input_tokens
+    r = client.responses.create(model=NAME, input="Weather in Paris?", tools=[namespace], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=120, temperature=0)
+    [call] = [i for i in r.output if i.type == "function_call"]
+    assert (call.name, call.namespace) == ("get_weather", "weather")

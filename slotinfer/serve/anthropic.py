@@ -145,10 +145,14 @@ def _messages(body) -> list[dict]:
             out.append({"role": "system", "content": text})
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise bad_param(f"{where}.role", f"{where} must be an object with 'role' 'user' or 'assistant', got "
-                                             f"{short(m)}")
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise bad_param(f"{where}.role", f"{where} must be an object with 'role' 'user' or 'assistant' (or "
+                                             f"'system', mid-conversation), got {short(m)}")
         content = m.get("content")
+        if m["role"] == "system":  # a system turn mid-conversation (Claude Code sends them)
+            out.append({"role": "system", "content": content if isinstance(content, str) else
+                        _texts(content, f"{where}.content")})
+            continue
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
             continue
@@ -277,6 +281,9 @@ class Shaper(Blocks):
 
     def event_logprobs(self, ev):
         return None
+
+    def keepalive(self) -> list[str]:
+        return [self._event("ping")]
 
     def text_chunks(self, index: int, text: str, logprobs=None) -> list[str]:
         return self.events(self._parts.feed(text))

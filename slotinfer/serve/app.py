@@ -33,6 +33,7 @@ from .metrics import Metrics, Timer
 from .responses import Shaper, TokenText, usage
 from .schemas import ClassifyLimits, GenerateRequest, parse_chat, parse_classify, parse_completion
 
+KEEPALIVE_SECONDS = 5.0  # a stream silent this long gets its dialect's keep-alive event
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
 _TRIM_AFTER_CHARS = 1 << 20  # a prompt this long takes hundreds of MB to tokenize, given back after it
 
@@ -335,7 +336,11 @@ class _Server:
                 yield chunk
             left, failed = len(handles), None
             while left:
-                i, ev = await events.get()
+                i, ev = await self._next(events, shaper)
+                if i is None:  # nothing for a while (a long prompt's prefill): tell the client the stream lives
+                    for chunk in shaper.keepalive():
+                        yield chunk
+                    continue
                 if ev is not None:  # a chunk per token, even one whose text waits for more bytes
                     for chunk in shaper.text_chunks(i, ev.text, logprobs=shaper.event_logprobs(ev)):
                         yield chunk
@@ -368,6 +373,17 @@ class _Server:
             for p in pumps:
                 p.cancel()
             self.metrics.outcome(endpoint, outcome)
+
+    @staticmethod
+    async def _next(events: asyncio.Queue, shaper):
+        """The next (row, event), or (None, None) after KEEPALIVE_SECONDS without one where the dialect has
+        keep-alive events (Anthropic's ping: agents give up on a stream silent for a minute or two)."""
+        if not shaper.keepalive():
+            return await events.get()
+        try:
+            return await asyncio.wait_for(events.get(), KEEPALIVE_SECONDS)
+        except asyncio.TimeoutError:
+            return None, None
 
     # -- classification -------------------------------------------------------------
 

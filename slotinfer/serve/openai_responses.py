@@ -26,9 +26,12 @@ from .tolerated import EXTRA
 _EXTRA = tuple(f for f in EXTRA if f != "json_schema")  # the output's schema has its own field here
 # Responses' own fields that change nothing here (stateless, text only), then the extensions the chat
 # endpoint takes (docs/serve.md lists them all).
-IGNORED = ("store", "include", "metadata", "user", "service_tier", "truncation", "prompt_cache_key",
+IGNORED = ("store", "include", "metadata", "client_metadata", "user", "service_tier", "truncation", "prompt_cache_key",
            "prompt_cache_retention", "safety_identifier", "max_tool_calls", "stream_options", "reasoning",
-           "background", "top_logprobs")
+           "background", "top_logprobs", "context_management")
+# Tools OpenAI's servers run themselves: there is no such server here, so they are not offered to the model.
+HOSTED = ("web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11",
+          "file_search", "code_interpreter", "image_generation", "mcp", "tool_search")
 FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
           "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id", "conversation", "prompt",
           *IGNORED, "top_k", "min_p", "repetition_penalty", "seed", "stop", "frequency_penalty", "presence_penalty",
@@ -38,6 +41,7 @@ FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_to
 @dataclass
 class ResponsesRequest(GenerateRequest):
     echo: dict = field(default_factory=dict)  # the request's fields a Response object repeats
+    namespaces: dict = field(default_factory=dict)  # function name -> the namespace tool it came in
 
 
 def parse(body: dict) -> ResponsesRequest:
@@ -67,8 +71,11 @@ def parse(body: dict) -> ResponsesRequest:
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    _tools({"tools": [_tool(t, i) for i, t in enumerate(tools or [])] or None, "tool_choice": choice,
-            "parallel_tool_calls": body.get("parallel_tool_calls")}, req)
+    offered = []
+    for i, t in enumerate(tools or []):
+        offered += _tool(t, i, req.namespaces)
+    _tools({"tools": offered or None, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls")},
+           req)
     req.template_kwargs = template_kwargs(body)
     req.echo = {"instructions": body.get("instructions"), "tools": tools or [],
                 "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": req.parallel_tool_calls,
@@ -97,17 +104,27 @@ def _text_format(body, req):
     req.constrained_by = "text.format"
 
 
-def _tool(t, i) -> dict:
-    """A Responses function tool ({"type": "function", "name", "parameters"}) in the chat shape."""
+def _tool(t, i, namespaces: dict) -> list[dict]:
+    """A Responses tool in the chat shape: a function tool ({"type": "function", "name", "parameters"}),
+    each function of a namespace tool, or none for a tool OpenAI's servers run (:data:`HOSTED`)."""
     where = f"tools[{i}]"
-    if not isinstance(t, dict) or t.get("type", "function") != "function":
-        kind = t.get("type") if isinstance(t, dict) else None
-        raise bad_param(f"{where}.type", f"{where}: only function tools are supported here, got "
-                                         f"{short(kind if kind is not None else t)}")
+    kind = t.get("type", "function") if isinstance(t, dict) else None
+    if kind in HOSTED:
+        return []
+    if kind == "namespace" and isinstance(t.get("tools"), list):
+        out = []
+        for j, inner in enumerate(t["tools"]):
+            out += _tool(inner, f"{i}].tools[{j}", namespaces)
+            if out and isinstance(t.get("name"), str):
+                namespaces[out[-1]["function"]["name"]] = t["name"]
+        return out
+    if kind != "function":
+        raise bad_param(f"{where}.type", f"{where}: function and namespace tools are supported here (and OpenAI's "
+                                         f"hosted tools are not offered), not {short(kind if kind is not None else t)}")
     if "function" in t:  # the chat shape, sent here by mistake or by a client that speaks both
-        return t
-    return {"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
-                                             if t.get(k) is not None}}
+        return [t]
+    return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                              if t.get(k) is not None}}]
 
 
 def _messages(body) -> list[dict]:
@@ -193,7 +210,8 @@ def _text(content, where) -> str:
 def usage_of(used: dict, reasoning_tokens: int = 0) -> dict:
     """OpenAI's chat usage in the Responses shape."""
     return {"input_tokens": used["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": used["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": {"cached_tokens": used["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": used["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": used["total_tokens"]}
@@ -219,8 +237,11 @@ class Shaper(Blocks):
             return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
                     "content": [{"type": "reasoning_text", "text": value}], "status": status}
         if kind == CALL:
-            return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": value.id, "name": value.name,
+            item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": value.id, "name": value.name,
                     "arguments": value.arguments, "status": status}
+            if value.name in self.req.namespaces:
+                item["namespace"] = self.req.namespaces[value.name]
+            return item
         return {"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": value, "annotations": [], "logprobs": []}]}
 
@@ -250,6 +271,9 @@ class Shaper(Blocks):
 
     def event_logprobs(self, ev):
         return None
+
+    def keepalive(self) -> list[str]:
+        return [": keep-alive\n\n"]  # an SSE comment: clients skip it, their idle timers restart
 
     def text_chunks(self, index: int, text: str, logprobs=None) -> list[str]:
         return self.events(self._parts.feed(text))

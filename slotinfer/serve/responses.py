@@ -78,6 +78,10 @@ class Shaper:
         """The end of a stream that failed (an :class:`~slotinfer.serve.errors.APIError`)."""
         return [sse(error.body()), DONE]
 
+    def keepalive(self) -> list[str]:
+        """What a silent stream sends now and then: nothing, in OpenAI's chat and completions."""
+        return []
+
     def text_chunks(self, index: int, text: str, logprobs=None) -> list[str]:
         """The chunks of one streamed token's text: its reasoning (a thinking template's), then with tools
         its content (held back while it may start a call) then each call it completes."""
