@@ -66,19 +66,20 @@ def format_of(model) -> str:
     return template_tools(model.tokenizer.chat_template) or HERMES
 
 
-def render(model, messages: list[dict], tools: list[dict] | None) -> str:
+def render(model, messages: list[dict], tools: list[dict] | None, **template_kwargs) -> str:
     """The prompt of a chat with ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``
-    objects; None or empty: none offered), through the model's own template where it has a tool section.
+    objects; None or empty: none offered), through the model's own template where it has a tool section;
+    ``template_kwargs`` (``enable_thinking``...) are more variables for the template.
 
     Assistant turns may carry ``tool_calls`` (arguments as JSON strings, as OpenAI sends them: templates
     get them decoded) and ``tool`` turns answer them."""
     messages = [_for_template(m) for m in messages]
     if template_tools(model.tokenizer.chat_template) is None:
         messages = _without_tool_turns(messages, tools)
-        return model.apply_chat_template(messages, add_generation_prompt=True)
+        return model.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
     if tools:
-        return model.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    return model.apply_chat_template(messages, add_generation_prompt=True)
+        return model.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
+    return model.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
 
 
 def _for_template(m: dict) -> dict:

@@ -22,17 +22,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import tools
+from .. import reasoning, tools
 from ..cpu import allocator
 from ..errors import Cancelled, GrammarError, InvalidRequestError, PromptTooLongError
 from ..request import CONSTRAINTS, short
+from . import anthropic, openai_responses
 from .errors import APIError, bad_param, cut_short, from_exception
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
-from .responses import DONE, Shaper, TokenText, sse, usage
+from .responses import Shaper, TokenText, usage
 from .schemas import ClassifyLimits, GenerateRequest, parse_chat, parse_classify, parse_completion
 from .scoring import echo_completion, routes as scoring_routes
 
+KEEPALIVE_SECONDS = 5.0  # a stream silent this long gets its dialect's keep-alive event
 DEFAULT_MAX_TOKENS = 16  # /v1/completions, as OpenAI's; chat defaults to what the slot has room for
 _TRIM_AFTER_CHARS = 1 << 20  # a prompt this long takes hundreds of MB to tokenize, given back after it
 
@@ -62,6 +64,9 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/classify", server.classify, methods=["POST"]),
         *scoring_routes(server),
+        Route("/v1/responses", server.responses, methods=["POST"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _internal_error})
     app.state.slotinfer = server
@@ -144,11 +149,21 @@ class _Server:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: Request, chat: bool):
+        return await self._run(request, "chat" if chat else "completions", parse_chat if chat else parse_completion,
+                               lambda req, _: Shaper(chat, self.name, self.token_text,
+                                                     self.tool_format if req.tools else None,
+                                                     reasoning=req.reasoning,
+                                                     stop_repeats=bool(req.tools) and req.tool_choice == "required"
+                                                     and req.parallel_tool_calls))
+
+    async def _run(self, request: Request, endpoint: str, parse, shaper_of, shape=None):
+        """A generation request of any dialect: ``parse`` (body -> GenerateRequest) and ``shaper_of``
+        (request, prompt tokens -> its shaper) are the dialect's; submitting, streaming and cancelling are one.
+        ``shape`` gives an error's body in the dialect's own shape (OpenAI's when None)."""
         t0 = time.perf_counter()
-        endpoint = "chat" if chat else "completions"
         try:
             self._authorize(request)
-            req = (parse_chat if chat else parse_completion)(await self._json(request))
+            req = parse(await self._json(request))
             self._check_model(req.model)
             if req.echo:
                 return await echo_completion(self, request, req, t0)
@@ -158,13 +173,37 @@ class _Server:
             await asyncio.to_thread(self._compile, req)  # seconds for a hard schema
             handles, prompt_tokens = await self._submit(req, prompts)
         except Exception as e:
-            return self._refuse(endpoint, e)
+            return self._refuse(endpoint, e, shape)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        shaper = Shaper(chat, self.name, self.token_text, self.tool_format if req.tools else None,
-                        stop_repeats=bool(req.tools) and req.tool_choice == "required" and req.parallel_tool_calls)
+        shaper = shaper_of(req, prompt_tokens)
         if req.stream:
             return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
-        return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
+        return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint, shape)
+
+    async def responses(self, request: Request):
+        return await self._run(request, "responses", openai_responses.parse,
+                               lambda req, _: openai_responses.Shaper(req, self.name, self.tool_format, self._count))
+
+    async def messages(self, request: Request):
+        return await self._run(request, "messages", anthropic.parse,
+                               lambda req, n: anthropic.Shaper(req, self.name, self.tool_format, n,
+                                                               self.model.tokenizer.decode),
+                               shape=anthropic.error_body)
+
+    async def count_tokens(self, request: Request):
+        """Anthropic's count_tokens: the prompt's length as /v1/messages would render it, nothing generated."""
+        try:
+            self._authorize(request)
+            req = anthropic.parse(await self._json(request), counting=True)
+            self._check_model(req.model)
+            [ids] = await asyncio.to_thread(self._encode, req)
+        except Exception as e:
+            return self._refuse("count_tokens", e, anthropic.error_body)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    def _count(self, text: str) -> int:
+        """The number of tokens ``text`` takes (no BOS)."""
+        return len(self.model.tokenizer.encode(text, add_special_tokens=False))
 
     def _force_call(self, req: GenerateRequest):
         """``tool_choice`` "required" or a named function: the output constrained to a call in the
@@ -232,7 +271,9 @@ class _Server:
         texts = []
         try:
             for p in req.prompts:
-                texts.append(tools.render(model, p, req.tools) if req.chat else p)
+                texts.append(tools.render(model, p, req.tools, **req.template_kwargs) if req.chat else p)
+            if req.chat:  # where the reply starts: inside a reasoning block the prompt opened, or free to open one
+                req.reasoning = reasoning.mode(model.tokenizer.chat_template, texts[0])
             return [model.encode_prompt(t) for t in texts]
         except InvalidRequestError as e:  # the prompt itself: too long, empty, ids outside the vocabulary
             raise APIError(400, str(e), param=param,
@@ -266,7 +307,7 @@ class _Server:
             raise
         return handles, sum(map(len, prompts))
 
-    async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint):
+    async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint, shape=None):
         rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0), shaper, i))
                 for i, h in enumerate(handles)]
         everything = asyncio.gather(*rows)
@@ -285,11 +326,11 @@ class _Server:
         try:
             results = everything.result()
         except Exception as e:
-            return self._refuse(endpoint, _named(req, e))
-        if any(c.finish_reason == "cancelled" and i not in shaper.repeated for i, c in enumerate(results)):
+            return self._refuse(endpoint, _named(req, e), shape)
+        if any(c.finish_reason == "cancelled" and i not in _repeated(shaper) for i, c in enumerate(results)):
             # the server ended it: shutting down
             self.metrics.outcome(endpoint, "cancelled")
-            return cut_short().response()
+            return cut_short().response(shape)
         self.metrics.outcome(endpoint, "ok")
         used = usage(prompt_tokens, sum(len(c.tokens) for c in results), _cached(req, results))
         return JSONResponse(shaper.completion([(i, c, req.logprobs) for i, c in enumerate(results)], used))
@@ -297,7 +338,7 @@ class _Server:
     async def _drain(self, handle, timer, shaper, i):
         async for ev in handle:
             timer.tick()
-            if shaper.watch(i, ev.text):  # a forced reply repeated a call: it ends here
+            if _watch(shaper, i, ev.text):  # a forced reply repeated a call: it ends here
                 handle.cancel()
         return handle.result()
 
@@ -308,9 +349,9 @@ class _Server:
             timer = Timer(self.metrics, t0)
             async for ev in handle:
                 timer.tick()
-                if i in shaper.repeated:  # stopped at a repeated call: what it wrote after is not read
+                if i in _repeated(shaper):  # stopped at a repeated call: what it wrote after is not read
                     continue
-                if shaper.watch(i, ev.text):
+                if _watch(shaper, i, ev.text):
                     handle.cancel()
                 events.put_nowait((i, ev))
             events.put_nowait((i, None))
@@ -318,12 +359,15 @@ class _Server:
         pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
         outcome, generated = "cancelled", 0
         try:
-            if req.chat:
-                for i in range(len(handles)):
-                    yield shaper.chunk(i, "", first=True)
+            for chunk in shaper.opening(len(handles)):
+                yield chunk
             left, failed = len(handles), None
             while left:
-                i, ev = await events.get()
+                i, ev = await self._next(events, shaper)
+                if i is None:  # nothing for a while (a long prompt's prefill): tell the client the stream lives
+                    for chunk in shaper.keepalive():
+                        yield chunk
+                    continue
                 if ev is not None:  # a chunk per token, even one whose text waits for more bytes
                     for chunk in shaper.text_chunks(i, ev.text, logprobs=shaper.event_logprobs(ev)):
                         yield chunk
@@ -334,7 +378,7 @@ class _Server:
                 except Exception as e:  # this request's rows failed; the stream says so and ends
                     failed = from_exception(_named(req, e))
                     break
-                if c.finish_reason == "cancelled" and i not in shaper.repeated:  # the server ended it (shutting down)
+                if c.finish_reason == "cancelled" and i not in _repeated(shaper):  # the server ended it (shutting down)
                     failed = cut_short()
                     break
                 generated += len(c.tokens)
@@ -342,19 +386,31 @@ class _Server:
                     yield chunk
             if failed is not None:
                 outcome = "cancelled" if failed.code == "shutting_down" else "error"
-                yield sse(failed.body())
+                for chunk in shaper.failure(failed):
+                    yield chunk
             else:
                 outcome = "ok"
-                if req.include_usage:
-                    yield shaper.usage_chunk(usage(prompt_tokens, generated,
-                                                   _cached(req, [h.result() for h in handles])))
-            yield DONE
+                results = [h.result() for h in handles]
+                used = usage(prompt_tokens, generated, _cached(req, results)) if req.include_usage else None
+                for chunk in shaper.closing(used, results):
+                    yield chunk
         finally:
             for h in handles:
                 h.cancel()  # the client left (or a row failed): free the slots at the next step
             for p in pumps:
                 p.cancel()
             self.metrics.outcome(endpoint, outcome)
+
+    @staticmethod
+    async def _next(events: asyncio.Queue, shaper):
+        """The next (row, event), or (None, None) after KEEPALIVE_SECONDS without one where the dialect has
+        keep-alive events (Anthropic's ping: agents give up on a stream silent for a minute or two)."""
+        if not shaper.keepalive():
+            return await events.get()
+        try:
+            return await asyncio.wait_for(events.get(), KEEPALIVE_SECONDS)
+        except asyncio.TimeoutError:
+            return None, None
 
     # -- classification -------------------------------------------------------------
 
@@ -453,11 +509,11 @@ class _Server:
         and stops each classify before its next unit of work."""
         self.inf.close(drain=False)
 
-    def _refuse(self, endpoint: str, e: BaseException) -> Response:
+    def _refuse(self, endpoint: str, e: BaseException, shape=None) -> Response:
         err = from_exception(e, retry_after=self.retry_after)
         self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 408: "invalid",
                                         413: "invalid", 429: "rejected"}.get(err.status, "error"))
-        return err.response()
+        return err.response(shape)
 
     def _authorize(self, request: Request):
         check_key(request, self.api_key)
@@ -489,3 +545,14 @@ def _named(req: GenerateRequest, e: BaseException) -> BaseException:
     if isinstance(e, GrammarError):
         e.param = "tools" if req.tools and req.tool_choice != "auto" else req.constrained_by or e.param
     return e
+
+
+def _repeated(shaper) -> set:
+    """The choices a dialect's shaper stopped at a repeated forced call (chat's does; the others stop none)."""
+    return getattr(shaper, "repeated", set())
+
+
+def _watch(shaper, index: int, text: str) -> bool:
+    """Whether choice ``index`` repeated a forced call with ``text`` (see :meth:`Shaper.watch`)."""
+    watch = getattr(shaper, "watch", None)
+    return watch is not None and watch(index, text)

@@ -41,8 +41,10 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, shape=None) -> JSONResponse:
+        """The response, its body in OpenAI's shape or ``shape(error)``'s (another API's)."""
+        return JSONResponse(self.body() if shape is None else shape(self), status_code=self.status,
+                            headers=self.headers)
 
 
 def bad_param(param: str, message: str) -> APIError:

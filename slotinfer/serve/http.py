@@ -20,13 +20,17 @@ DRAIN_BYTES = 64 << 20
 
 
 def check_key(request: Request, api_key: str | None):
-    """401 unless the request carries ``Authorization: Bearer KEY`` (no check when no key is set)."""
+    """401 unless the request carries ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (Anthropic's
+    header); no check when no key is set."""
     if api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' with the server's key",
-                       code="invalid_api_key")
+    bearer = token.strip() if scheme.lower() == "bearer" else None
+    for given in (bearer, request.headers.get("x-api-key")):
+        if given is not None and hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            return
+    raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY') with the "
+                        "server's key", code="invalid_api_key")
 
 
 async def read_json(request: Request, limit: int, timeout: float) -> dict:
@@ -89,8 +93,8 @@ class _TooLarge(APIError):
                          code="request_too_large", headers={"Connection": "close"})
         self.deadline, self.pending = deadline, pending
 
-    def response(self) -> JSONResponse:
-        return _Draining(self.body(), status_code=self.status, headers=self.headers, deadline=self.deadline,
+    def response(self, shape=None) -> JSONResponse:
+        return _Draining(self.body() if shape is None else shape(self), status_code=self.status, headers=self.headers, deadline=self.deadline,
                          pending=self.pending)
 
 

@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 
+from ..reasoning import ReasoningSplitter, split
 from ..token_text import TokenText
 from ..tools import RepeatWatch, StreamParser, ToolCall, first_repeat, parse
 
@@ -15,10 +16,12 @@ __all__ = ["Shaper", "TokenText", "usage", "finish_reason", "sse", "DONE"]
 class Shaper:
     """Builds the bodies of one request (one id, one ``created``), completion or chat."""
 
-    def __init__(self, chat: bool, model: str, token_text: TokenText, tool_format: str | None = None, *,
-                 stop_repeats: bool = False):
+    def __init__(self, chat: bool, model: str, token_text: TokenText, tool_format: str | None = None,
+                 reasoning: str | None = None, *, stop_repeats: bool = False):
         self.chat, self.model = chat, model
         self.tool_format = tool_format  # chat with tools: replies are parsed for calls in this format
+        self.reasoning = reasoning  # chat with a thinking template: where the reply starts (reasoning.mode)
+        self._splitters: dict[int, ReasoningSplitter] = {}
         self._parsers: dict[int, StreamParser] = {}
         self._calls: dict[int, int] = {}  # tool calls streamed so far, per choice
         # a forced reply with parallel calls ends at its first call that repeats an earlier one (dropped)
@@ -43,8 +46,9 @@ class Shaper:
         for index, c, lp in rows:
             choice = {"index": index, "finish_reason": finish_reason(c.finish_reason),
                       "logprobs": self.logprobs(c.tokens, c.logprobs, c.top_logprobs) if lp else None}
+            thought, text = split(c.text, self.reasoning) if self.chat and self.reasoning else ("", c.text)
             if self.chat and self.tool_format:
-                content, calls = parse(c.text, self.tool_format)
+                content, calls = parse(text, self.tool_format)
                 repeat = first_repeat(calls) if self.stop_repeats else None
                 if repeat is not None:  # stopped at the repeat: the calls before it, nothing after
                     content, calls = None, calls[:repeat]
@@ -54,9 +58,11 @@ class Shaper:
                     if c.finish_reason != "length" or repeat is not None:  # a reply cut short says so
                         choice["finish_reason"] = "tool_calls"
             elif self.chat:
-                choice["message"] = {"role": "assistant", "content": c.text}
+                choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = c.text
+            if thought:
+                choice["message"]["reasoning_content"] = thought
             choices.append(choice)
         return {**self._head(False), "choices": choices, "usage": usage}
 
@@ -71,13 +77,37 @@ class Shaper:
             choice["text"] = text
         return sse({**self._head(True), "choices": [choice]})
 
+    def opening(self, n: int) -> list[str]:
+        """What a stream of ``n`` choices sends first: chat's role chunks."""
+        return [self.chunk(i, "", first=True) for i in range(n)] if self.chat else []
+
+    def closing(self, usage: dict | None, results) -> list[str]:
+        """What a stream sends once every choice ended: the usage chunk (when asked), then ``[DONE]``."""
+        return ([self.usage_chunk(usage)] if usage is not None else []) + [DONE]
+
+    def failure(self, error) -> list[str]:
+        """The end of a stream that failed (an :class:`~slotinfer.serve.errors.APIError`)."""
+        return [sse(error.body()), DONE]
+
+    def keepalive(self) -> list[str]:
+        """What a silent stream sends now and then: nothing, in OpenAI's chat and completions."""
+        return []
+
     def text_chunks(self, index: int, text: str, logprobs=None) -> list[str]:
-        """The chunks of one streamed token's text: with tools, its content (held back while it may
-        start a call) then each call it completes."""
+        """The chunks of one streamed token's text: its reasoning (a thinking template's), then with tools
+        its content (held back while it may start a call) then each call it completes."""
+        out = []
+        if self.reasoning:
+            thought, text = self._splitter(index).feed(text)
+            if thought:
+                out.append(self._delta(index, {"reasoning_content": thought}, logprobs))
+                if not text:
+                    return out
+                logprobs = None
         if not self.tool_format:
-            return [self.chunk(index, text, logprobs=logprobs)]
+            return [*out, self.chunk(index, text, logprobs=logprobs)]
         parts = self._parser(index).feed(text)
-        return [self.chunk(index, "".join(p for p in parts if isinstance(p, str)), logprobs=logprobs),
+        return [*out, self.chunk(index, "".join(p for p in parts if isinstance(p, str)), logprobs=logprobs),
                 *self._call_chunks(index, parts)]
 
     def watch(self, index: int, text: str) -> bool:
@@ -90,17 +120,32 @@ class Shaper:
         return index in self.repeated
 
     def end_chunks(self, index: int, reason: str) -> list[str]:
-        """The last chunks of a choice: with tools, what was held back, then the finish reason."""
+        """The last chunks of a choice: what was held back (reasoning, content, calls), then the finish reason."""
         out = []
         if index in self.repeated:
             reason = "tool_calls"
+        if self.reasoning:
+            thought, text = self._splitter(index).finish()
+            if thought:
+                out.append(self._delta(index, {"reasoning_content": thought}))
+            if text and self.tool_format:
+                parts = self._parser(index).feed(text)
+                said = "".join(p for p in parts if isinstance(p, str))
+                out += ([self.chunk(index, said)] if said else []) + self._call_chunks(index, parts)
+            elif text:
+                out.append(self.chunk(index, text))
         if self.tool_format:
             parser = self._parser(index)
             parts = parser.finish()
             text = "".join(p for p in parts if isinstance(p, str))
-            out = ([self.chunk(index, text)] if text else []) + self._call_chunks(index, parts)
+            out += ([self.chunk(index, text)] if text else []) + self._call_chunks(index, parts)
             reason = "tool_calls" if parser.calls and reason != "length" else reason
         return [*out, self.chunk(index, "", finish=reason)]
+
+    def _splitter(self, index: int) -> ReasoningSplitter:
+        if index not in self._splitters:
+            self._splitters[index] = ReasoningSplitter(self.reasoning)
+        return self._splitters[index]
 
     def _parser(self, index: int) -> StreamParser:
         if index not in self._parsers:
@@ -124,8 +169,8 @@ class Shaper:
                         self._delta(index, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]})]
         return out
 
-    def _delta(self, index: int, delta: dict) -> str:
-        return sse({**self._head(True), "choices": [{"index": index, "delta": delta, "logprobs": None,
+    def _delta(self, index: int, delta: dict, logprobs=None) -> str:
+        return sse({**self._head(True), "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                                      "finish_reason": None}]})
 
     def usage_chunk(self, usage: dict) -> str:

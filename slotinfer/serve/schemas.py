@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from .. import request
 from ..errors import InvalidRequestError
 from ..request import short, some
+from . import tolerated
 from .errors import bad_param
 
 MAX_N = 64  # choices per request: each is a slot's worth of work
@@ -32,7 +33,8 @@ _CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_
                 "guided_grammar")
 _SHARED = ("model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
            "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", *_NOTHING_HERE, *_CONSTRAINTS,
-           "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt")
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids", "cache_salt",
+           *tolerated.EXTRA)
 COMPLETION_FIELDS = ("prompt", *_SHARED, "logprobs", "echo", "suffix", "best_of")
 CHAT_FIELDS = ("messages", *_SHARED, "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                "functions", "function_call")
@@ -69,6 +71,8 @@ class GenerateRequest:
     parallel_tool_calls: bool = True
     constrained_by: str | None = None  # the field that constrains the output (response_format...), if one does
     echo: bool = False  # completions: the prompt comes back before the completion (with its log-probs if asked)
+    template_kwargs: dict = field(default_factory=dict)  # chat: more variables for the template (enable_thinking...)
+    reasoning: str | None = None  # chat: where the reply starts (slotinfer.reasoning.mode), set once rendered
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,8 @@ def _constraint(body) -> tuple[str, str, object] | None:
             found.append((f"structured_outputs.{key}", _STRUCTURED[key], value))
     found += [(f"guided_{k}", p, body[f"guided_{k}"]) for k, p in _STRUCTURED.items()
               if body.get(f"guided_{k}") is not None]
+    if body.get("json_schema") is not None:  # llama.cpp's field
+        found.append(("json_schema", "json_schema", body["json_schema"]))
     if len(found) > 1:
         raise bad_param(found[1][0], f"'{found[0][0]}' and '{found[1][0]}' both constrain the output; give one")
     if not found:
@@ -203,9 +209,10 @@ def _common(body, chat: bool, prompts) -> GenerateRequest:
     if opts and not req.stream:
         raise bad_param("stream_options", "'stream_options' is only allowed with stream: true")
     req.include_usage = _get(opts, "include_usage", (bool,), "true or false", False)
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if body.get(key) is not None:
+    key = next((k for k in ("max_completion_tokens", "max_tokens", "n_predict") if body.get(k) is not None), None)
+    if key is not None and not (key == "n_predict" and body[key] == -1):  # llama.cpp's -1: as long as room lasts
         req.max_tokens, req.max_tokens_param = _checked("max_tokens", body[key], key), key
+    extensions(body, req.params)
     _passed_on(body, req.params)
     _penalties(body, req.params)
     constraint = _constraint(body)
@@ -253,6 +260,7 @@ def parse_chat(body: dict) -> GenerateRequest:
         raise bad_param("messages", f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got "
                                     f"{short(messages)}")
     req = _common(body, True, [[_message(m, i) for i, m in enumerate(messages)]])
+    req.template_kwargs = template_kwargs(body)
     req.logprobs = _bool(body, "logprobs")
     req.top_logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
     if req.top_logprobs and not req.logprobs:
@@ -429,3 +437,41 @@ def parse_classify(body: dict, limits: ClassifyLimits) -> ClassifyRequest:
 def _is_ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
+
+
+# Template variables a request may not set: the renderer's own.
+_RESERVED = {"messages", "tools", "add_generation_prompt", "tokenize", "bos_token", "eos_token", "pad_token",
+             "unk_token", "documents", "continue_final_message"}
+MAX_TEMPLATE_KWARGS = 32
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def template_kwargs(body) -> dict:
+    """The chat template's extra variables: ``chat_template_kwargs`` (vLLM's, SGLang's), a top-level
+    ``enable_thinking``, and ``reasoning_effort`` "none" as ``enable_thinking: false``."""
+    kw = _get(body, "chat_template_kwargs", (dict,), "an object of template variables", {})
+    if len(kw) > MAX_TEMPLATE_KWARGS or not all(isinstance(k, str) and k.isidentifier() for k in kw):
+        raise bad_param("chat_template_kwargs", f"'chat_template_kwargs' must map at most {MAX_TEMPLATE_KWARGS} "
+                                                f"variable names to values, got {short(kw)}")
+    taken = sorted(_RESERVED & set(kw))
+    if taken:
+        raise bad_param("chat_template_kwargs", f"'chat_template_kwargs' may not set {taken[0]!r}: the server "
+                                                f"renders it from the request")
+    kw = dict(kw)
+    if body.get("enable_thinking") is not None:
+        kw["enable_thinking"] = _bool(body, "enable_thinking")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise bad_param("reasoning_effort", f"'reasoning_effort' must be one of {', '.join(_EFFORTS)}, got "
+                                            f"{short(effort)}")
+    if effort == "none":
+        kw.setdefault("enable_thinking", False)
+    return kw
+
+
+def extensions(body, params: dict):
+    """Other servers' fields (:mod:`.tolerated`): those set to what this server cannot honour are a 400
+    naming them; llama.cpp's ``repeat_penalty`` is ``repetition_penalty``."""
+    tolerated.check_neutral(body)
+    if body.get("repeat_penalty") is not None and body.get("repetition_penalty") is None:
+        params["repetition_penalty"] = _checked("repetition_penalty", body["repeat_penalty"], "repeat_penalty")
