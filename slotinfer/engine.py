@@ -28,7 +28,7 @@ from .decoder import Decoder, RowParams, spread
 from .encoder import Encoder
 from .errors import EngineError, PromptTooLongError
 from .handle import Handle
-from .kv import BLOCK_SIZE, PrefixCache
+from .kv import KV_BLOCK_SIZE
 from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .sampling import SamplingParams, top_n_computed
 from .slots import SlotTable
@@ -93,14 +93,14 @@ class _OnHost:
 
 class Engine:
     def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512,
-                 prefix_cache_bytes: int | None = None, prefix_block_size: int = BLOCK_SIZE, kv_dtype=None,
-                 kv_cache_bytes: int | None = None):
+                 prefix_cache_bytes: int | None = None, kv_dtype=None, kv_cache_bytes: int | None = None,
+                 block_size: int = KV_BLOCK_SIZE):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
-        if not isinstance(prefix_block_size, int) or prefix_block_size < 1:
-            raise ValueError(f"prefix_block_size must be an int >= 1, got {prefix_block_size!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if prefix_cache_bytes is not None and (not isinstance(prefix_cache_bytes, int)
                                                or isinstance(prefix_cache_bytes, bool) or prefix_cache_bytes < 0):
             raise ValueError(f"prefix_cache_bytes must be an int >= 0 (0: no prefix cache; None: the device's "
@@ -111,13 +111,12 @@ class Engine:
                              f"most a quarter of the memory), got {kv_cache_bytes!r}")
         self.model, self.slots, self.max_len = model, slots, max_len
         self.table = SlotTable(model.config, slots=slots, max_len=max_len, kv_cache_bytes=kv_cache_bytes,
-                               dtype=device.kv_dtype(model.dtype, override=kv_dtype))
+                               dtype=device.kv_dtype(model.dtype, override=kv_dtype), block_size=block_size,
+                               prefix_cache_bytes=device.prefix_cache_bytes() if prefix_cache_bytes is None
+                               else prefix_cache_bytes)
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
         self.items = ItemProcessor(self.table)
-        self.prefix_cache = _prefix_cache(model, self.table.keys[0].dtype, prefix_cache_bytes, prefix_block_size)
-        if self.prefix_cache is not None:
-            self.items.on_release = self._cache_what_it_holds
         self.rows = RowParams(slots, model.config.vocab_size)
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
@@ -153,7 +152,7 @@ class Engine:
             e = PromptTooLongError(
                 f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: their K/V need "
                 f"{len(ids) + budget - 1} tokens and the engine's whole K/V pool holds {room} "
-                f"(kv_cache_bytes={self.table.num_blocks * self.table.block_nbytes}); shorten the prompt, lower "
+                f"(kv_cache_bytes={self.table.budget_bytes}); shorten the prompt, lower "
                 f"max_tokens (to at most {max(room + 1 - len(ids), 0)}) or raise kv_cache_bytes")
             e.param = "max_tokens"
             raise e
@@ -203,7 +202,6 @@ class Engine:
         admitted = self.items.admit()
         if admitted:
             self._occupancy_changed(admitted)
-            self._reuse(admitted)
         firsts = self._prefill()
         if self._pending is not None and self._needs_previous(firsts):
             previous, self._pending = self._pending, None  # constrained rows need its tokens for their masks
@@ -249,40 +247,6 @@ class Engine:
         self.rows.reset_seen([it.slot for it in admitted], [it.feed for it in admitted],
                              [it.tokens for it in admitted])
 
-    # -- the prefix cache ---------------------------------------------------------
-
-    def _reuse(self, admitted):
-        """Newly admitted items start from the longest cached prefix of what they prefill (their
-        prompt, and a resumed item's tokens): its K/V is copied into their slot, and the Encoder
-        prefills only the rest (at least the last token, whose logits give the next one)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        for it in admitted:
-            blocks = cache.match(it.feed, it.salt, limit=len(it.feed) - 1)
-            if blocks:
-                self.table.write(it.slot, mx.concatenate([b.keys for b in blocks], axis=2),
-                                 mx.concatenate([b.values for b in blocks], axis=2))
-                it.prefilled = len(blocks) * cache.block_size
-                if it.feed is it.prompt:  # its first admission: what the usage reports
-                    it.cached = it.prefilled
-                self.table.lengths[it.slot] = it.prefilled
-
-    def _cache(self, item: Item, tokens):
-        """Copy the full blocks of ``tokens`` (what ``item``'s slot holds from position 0) that the
-        cache lacks."""
-        slot = item.slot
-        new = self.prefix_cache.insert(tokens, item.salt, lambda a, b: self.table.read(slot, a, b))
-        if new:  # copied now, before the slot is written again
-            mx.async_eval([a for b in new for a in (b.keys, b.values)])
-
-    def _cache_what_it_holds(self, item: Item):
-        """An item leaves its slot: its prompt and what it generated enter the cache, as far as
-        the slot holds their K/V (a generated token's is written by the step that reads it)."""
-        held = min(int(self.table.lengths[item.slot]), len(item.prompt) + len(item.tokens))
-        if held >= self.prefix_cache.block_size:
-            self._cache(item, (item.prompt + item.tokens)[:held])
-
     def _prefill(self) -> list[Item]:
         plan = self.encoder.plan(self.items.prefilling())
         if not plan:
@@ -300,8 +264,8 @@ class Engine:
             it.prefilled += len(c.tokens)
             self.table.lengths[it.slot] += len(c.tokens)
             self.counters["prefill_tokens"] += len(c.tokens)
-            if self.prefix_cache is not None:  # chunk by chunk: a request admitted meanwhile hits what is in
-                self._cache(it, it.feed[: it.prefilled])
+            # chunk by chunk into the prefix cache: a request admitted meanwhile shares what is in
+            self.table.register(it.slot, it.feed[: it.prefilled], it.salt)
         if done:
             first, extra = out
             slots = mx.array([it.slot for it in done])
@@ -375,8 +339,8 @@ class Engine:
             needed = [it for it in self.items.running() if it.issued < it.max_tokens and it.in_step]
             slots = [it.slot for it in needed]
             tokens = [int(table.lengths[s]) + 1 for s in slots]
-            if not table.short(slots, tokens):
-                table.hold(slots, tokens)
+            if not table.blocks_missing(slots, tokens):
+                table.grow(slots, tokens)
                 return needed
             if self._pending is not None:
                 previous, self._pending = self._pending, None
@@ -428,14 +392,18 @@ class Engine:
     # -- reporting --------------------------------------------------------------
 
     def memory(self) -> dict:
+        """Bytes: ``kv_cache_bytes`` is the K/V pool's budget (the parameter, in whole blocks) and
+        ``kv_allocated_bytes`` what its arrays hold now; ``prefix_cache_bytes`` is the cached blocks
+        no request holds (inside the pool) and ``prefix_cache_budget_bytes`` their cap."""
         weights = sum(v.nbytes for _, v in _leaves(self.model.net.parameters()))
-        cache = self.prefix_cache
+        table = self.table
+        cache = table.cache_stats()
         return {
             "slots": self.slots, "max_len": self.max_len,
-            "kv_cache_bytes": self.table.nbytes, "kv_bytes_per_slot": self.table.nbytes // self.slots,
-            **self.table.stats(),
-            "prefix_cache_bytes": cache.nbytes if cache else 0,
-            "prefix_cache_budget_bytes": cache.budget_bytes if cache else 0,
+            "kv_cache_bytes": table.budget_bytes, "kv_allocated_bytes": table.allocated_bytes,
+            **table.stats(),
+            "prefix_cache_bytes": cache["bytes"] if cache else 0,
+            "prefix_cache_budget_bytes": table.cache_budget_bytes if cache else 0,
             "weights_bytes": weights, "peak_bytes": mx.get_peak_memory(),
         }
 
@@ -452,20 +420,8 @@ class Engine:
             "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_s"] if c["prefill_s"] else 0.0,
             "peak_memory_bytes": mx.get_peak_memory(),
             "uptime_s": time.perf_counter() - self._t0,
-            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
+            "prefix_cache": self.table.cache_stats(),
         }
-
-
-def _prefix_cache(model, dtype, budget: int | None, block_size: int) -> PrefixCache | None:
-    """The engine's prefix cache: ``budget`` bytes (None: the device's default; 0: none) in blocks of
-    ``block_size`` tokens."""
-    if budget is None:
-        budget = device.prefix_cache_bytes()
-    if budget == 0:
-        return None
-    cfg = model.config
-    return PrefixCache(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                       dtype=dtype, budget_bytes=budget, block_size=block_size)
 
 
 def _leaves(tree, prefix=""):

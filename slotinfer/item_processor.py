@@ -124,7 +124,6 @@ class ItemProcessor:
         # Cancellations arrive here (from any thread) instead of being found by scanning every
         # waiting item each step, which would cost a step O(queue) in an offline job of millions.
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
-        self.on_release = None  # called with an item whose slot is about to be freed (its K/V still there)
 
     @property
     def busy(self) -> bool:
@@ -156,9 +155,12 @@ class ItemProcessor:
     def room(self) -> int:
         """Items the engine could admit now (free slots not already promised to waiting items); negative:
         the backlog.  While the first waiting item waits for K/V blocks, every waiting item is backlog."""
-        if self.waiting and self.free and not self.table.can_admit(self.waiting[0].admission):
+        if self.waiting and self.free and not self._fits(self.waiting[0]):
             return -len(self.waiting)
         return len(self.free) - len(self.waiting)
+
+    def _fits(self, item: Item) -> bool:
+        return self.table.can_admit(item.admission, item.feed, item.salt)
 
     def watch(self, item: Item):
         """Hear of ``item``'s cancellation, from any thread, from the moment it is made."""
@@ -173,8 +175,9 @@ class ItemProcessor:
     def admit(self) -> list[Item]:
         """Move waiting items (FIFO) into free slots while the pool's free blocks hold what they
         prefill (:attr:`Item.admission`; later blocks are taken as decoding reaches them); returns
-        the newly admitted.  The first waiting item that does not fit waits, and those behind it
-        with it: a long request is never overtaken for ever by short ones."""
+        the newly admitted.  Each starts from the longest cached prefix of what it prefills, shared
+        by reference, and prefills the rest.  The first waiting item that does not fit waits, and
+        those behind it with it: a long request is never overtaken for ever by short ones."""
         admitted = []
         while self.free and self.waiting:
             item = self.waiting[0]
@@ -182,14 +185,16 @@ class ItemProcessor:
                 self.waiting.popleft()
                 self.finish(item, "cancelled")
                 continue
-            if not self.table.can_admit(item.admission):
+            if not self._fits(item):
                 break
             self.waiting.popleft()
             item.slot = self.free.pop(0)
             self.move(item, State.PREFILLING)
             item.t_admit = time.perf_counter()
             self.by_slot[item.slot] = item
-            self.table.admit(item.slot, item.admission)
+            item.prefilled = self.table.admit(item.slot, item.admission, item.feed, item.salt)
+            if item.feed is item.prompt:  # its first admission: what the usage reports
+                item.cached = item.prefilled
             admitted.append(item)
         return admitted
 
@@ -197,14 +202,20 @@ class ItemProcessor:
         """Take ``item`` out of its slot and put it first in the FIFO: its blocks go back to the pool,
         and when it is admitted again its slot recomputes the K/V of its prompt and of the tokens it
         has (its ``feed``), then goes on decoding.  Nothing it streamed is sent again."""
-        if self.on_release is not None:
-            self.on_release(item)  # what it held enters the prefix cache: its recompute may start from there
+        self._keep(item)  # what it held stays cached: its recompute may start from there
         self._free_slot(item)
         item.slot, item.prefilled = -1, 0
         item.feed = item.prompt + item.tokens
         item.issued = len(item.tokens)
         self.move(item, State.WAITING)
         self.waiting.appendleft(item)
+
+    def _keep(self, item: Item):
+        """``item`` leaves its slot: its prompt and what it generated stay in the prefix cache, as far
+        as the slot holds their K/V (a generated token's is written by the step that reads it)."""
+        held = min(int(self.table.lengths[item.slot]), len(item.prompt) + len(item.tokens))
+        if self.table.caching and held >= self.table.block_size:
+            self.table.register(item.slot, (item.prompt + item.tokens)[:held], item.salt)
 
     def _free_slot(self, item: Item):
         self.by_slot[item.slot] = None
@@ -284,8 +295,8 @@ class ItemProcessor:
             except ValueError:
                 pass  # admit() took it off the queue and found it cancelled
         if item.slot >= 0 and self.by_slot[item.slot] is item:
-            if self.on_release is not None and error is None and reason != "error":
-                self.on_release(item)
+            if error is None and reason != "error":
+                self._keep(item)
             self._free_slot(item)
         self.move(item, State.FAILED if error is not None or reason == "error" else
                   State.CANCELLED if reason == "cancelled" else State.FINISHED)

@@ -254,8 +254,8 @@ def test_stats_and_memory_are_reported(models):
     c = m.config
     # the default pool: 4 slots of one 128-token block each (max_len 64), and the two reserved blocks
     block = 2 * c.num_layers * c.num_kv_heads * 128 * c.head_dim * 4
-    assert mem["kv_cache_budget_bytes"] == (4 + 2) * block and mem["block_bytes"] == block
-    assert mem["block_tokens"] == 128 and mem["kv_cache_bytes"] == mem["blocks_allocated"] * block
+    assert mem["kv_cache_bytes"] == (4 + 2) * block and mem["block_bytes"] == block
+    assert mem["block_tokens"] == 128 and mem["kv_allocated_bytes"] == mem["blocks_allocated"] * block
     assert mem["blocks"] == 4 and s["blocks"] == 4 and s["blocks_used"] == 0 and s["blocks_free"] == 4
 
 
@@ -290,8 +290,8 @@ def test_kv_cache_is_written_in_place_while_steps_overlap(model_dir):
         eng.add(eng.make_item(PROMPTS[i % 4], max_tokens=2000, ignore_eos=True))
     for _ in range(4):
         eng.step()
-    eng.table.hold(range(16), [2000] * 16)  # blocks taken ahead: the arrays are large beside a step's work
-    eng.table.fit()
+    eng.table.grow(range(16), [2000] * 16)  # blocks taken ahead: the arrays are large beside a step's work
+    eng.table.cover()
     mx.eval(eng.tokens)
     base = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -318,7 +318,7 @@ def test_memory_does_not_grow_over_batches(models, max_tokens):
         eng.run_until_done()
         mx.eval(eng.tokens)
         active.append(mx.get_active_memory())
-    assert max(active[1:]) - active[0] < eng.table.nbytes / 8
+    assert max(active[1:]) - active[0] < eng.table.allocated_bytes / 8
 
 
 def test_engine_rejects_bad_construction(models):

@@ -90,7 +90,7 @@ def run(args) -> int:
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"slotinfer serve: {app.state.slotinfer.name} running on http://{host}:{sock.getsockname()[1]} "
               f"({args.slots} slots of up to {args.max_len} tokens, K/V pool "
-              f"{inf.engine.memory()['kv_cache_budget_bytes'] / 2**30:.2f} GiB, max queue {args.max_queue or 'unbounded'}, "
+              f"{inf.engine.memory()['kv_cache_bytes'] / 2**30:.2f} GiB, max queue {args.max_queue or 'unbounded'}, "
               f"API key {'required' if args.api_key else 'not required'})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; a handler that
         # ignores it lets a requested shutdown end as a success (exit 0) instead of a kill.
