@@ -140,22 +140,7 @@ class Engine:
         p = request.check(params, vocab)
         ids = model.encode_prompt(prompt)
         budget = min(p["max_tokens"], model.context_length - len(ids))
-        if len(ids) + budget > self.max_len:
-            e = PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: "
-                f"{len(ids) + p['max_tokens']} > the engine's max_len {self.max_len}; shorten the prompt, lower "
-                f"max_tokens (to at most {max(self.max_len - len(ids), 0)}) or raise max_len")
-            e.param = "max_tokens"
-            raise e
-        room = self.table.capacity_tokens
-        if len(ids) + budget - 1 > room:
-            e = PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: their K/V need "
-                f"{len(ids) + budget - 1} tokens and the engine's whole K/V pool holds {room} "
-                f"(kv_cache_bytes={self.table.budget_bytes}); shorten the prompt, lower "
-                f"max_tokens (to at most {max(room + 1 - len(ids), 0)}) or raise kv_cache_bytes")
-            e.param = "max_tokens"
-            raise e
+        self._check_room(len(ids), p["max_tokens"], budget)
         sampling = SamplingParams(*(p[k] for k in request.SAMPLING))
         constraint = model.grammars.constraint(p)  # compiled here, on the caller's thread: a bad one is refused
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
@@ -173,6 +158,22 @@ class Engine:
         )
         self.items.watch(item)  # its handle's cancel() reaches the item processor, wherever the item is
         return item
+
+    def _check_room(self, n: int, asked: int, budget: int):
+        """Refuse a request whose prompt of ``n`` tokens and ``budget`` (``max_tokens`` as ``asked``,
+        cut to the model's context) overflow a slot (``max_len`` tokens) or the whole K/V pool (the
+        prompt and every token but the last hold K/V): one rule, which the server words for its
+        client too."""
+        room = self.table.capacity_tokens
+        for over, need, limit, setting, most in (
+                (n + budget > self.max_len, n + asked, self.max_len, "max_len", self.max_len - n),  # quotes what was asked
+                (n + budget - 1 > room, n + budget - 1, room, "kv_cache_bytes", room + 1 - n)):
+            if over:
+                e = PromptTooLongError(prompt_tokens=n, max_tokens=asked, limit=limit, setting=setting, need=need,
+                                       most=most if most >= 1 else None,
+                                       param="max_tokens" if most >= 1 else "prompt",
+                                       pool_bytes=self.table.budget_bytes)
+                raise e
 
     def add(self, item: Item):
         self.items.add(item)

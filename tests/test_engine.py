@@ -130,7 +130,12 @@ def test_max_len_is_validated_at_submit(models):
         with pytest.raises(PromptTooLongError, match="max_len") as e:
             inf.submit(PROMPTS[1], max_tokens=4)
         n = len(m.encode_prompt(PROMPTS[1]))
-        assert f"max_tokens is 4: {n + 4} > the engine's max_len 16" in str(e.value) and e.value.param == "max_tokens"
+        assert f"max_tokens is 4: {n + 4} > the engine's max_len 16" in str(e.value)
+        assert n >= 16 and e.value.param == "prompt" and "shorten the prompt to at most 15 tokens" in str(e.value)
+        assert (e.value.prompt_tokens, e.value.max_tokens, e.value.limit, e.value.most) == (n, 4, 16, None)
+        with pytest.raises(PromptTooLongError, match=r"lower max_tokens \(to at most 12\)") as e:
+            inf.submit([5, 6, 7, 8], max_tokens=20)
+        assert e.value.param == "max_tokens" and (e.value.need, e.value.setting) == (24, "max_len")
         with pytest.raises(PromptTooLongError, match="max_tokens is 1000000: ") as e:  # the figure asked for, not a clamp
             inf.submit("hi", max_tokens=1_000_000)
         with pytest.raises(InvalidRequestError, match="max_tokens"):

@@ -327,6 +327,20 @@ def test_max_tokens_past_the_slot_quotes_the_clients_figure(client):
     assert "1000000" in err["message"] and "1000003" in err["message"] and "253" in err["message"], err
 
 
+def test_the_engines_refusal_names_the_clients_key(client):
+    """The engine's one rule, worded with the key the client sent, and the prompt named when it alone
+    leaves no room."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=MSGS, max_completion_tokens=1_000_000)
+    err = e.value.body
+    assert err["param"] == "max_completion_tokens" and "lower max_completion_tokens (to at most" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi " * 400}], max_tokens=4)
+    err = e.value.body
+    assert err["param"] == "messages" and "shorten the prompt to at most 255 tokens" in err["message"], err
+    assert "at most 0" not in err["message"]
+
+
 @pytest.mark.parametrize("path, body, field, hint", [
     ("/v1/completions", {"prompt": "hi", "max_tokns": 3}, "max_tokns", "max_tokens"),
     ("/v1/chat/completions", {"messages": MSGS, "temprature": 0}, "temprature", "temperature"),

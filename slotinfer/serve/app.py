@@ -131,7 +131,7 @@ class _Server:
 
     async def _generate(self, request: Request, chat: bool):
         t0 = time.perf_counter()
-        endpoint = "chat" if chat else "completions"
+        endpoint, req = "chat" if chat else "completions", None
         try:
             self._authorize(request)
             req = (parse_chat if chat else parse_completion)(await self._json(request))
@@ -142,7 +142,7 @@ class _Server:
             await asyncio.to_thread(self._compile, req)  # seconds for a hard schema
             handles, prompt_tokens = await self._submit(req, prompts)
         except Exception as e:
-            return self._refuse(endpoint, e)
+            return self._refuse(endpoint, e, req)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         shaper = Shaper(chat, self.name, self.token_text, self.tool_format if req.tools else None)
         if req.stream:
@@ -196,18 +196,6 @@ class _Server:
             await asyncio.sleep(pause)
             pause = min(2 * pause, 0.02)
 
-    def _check_room(self, req: GenerateRequest, ids: list[int]):
-        """400 quoting the client's own max_tokens where the prompt and it overflow a slot (the engine's
-        rule: max_tokens past the model's context counts up to the context)."""
-        max_len, asked, key, n = self.inf.engine.max_len, req.max_tokens, req.max_tokens_param, len(ids)
-        if asked is None or n + min(asked, self.model.context_length - n) <= max_len:
-            return
-        fix = f"lower {key} to at most {max_len - n}" if n < max_len else f"shorten the prompt below {max_len} tokens"
-        raise APIError(400, f"the prompt has {n} tokens and {key} is {asked}: {n + asked} > this server's max_len of "
-                            f"{max_len} tokens per request (--max-len); {fix}",
-                       param=key if n < max_len else "messages" if req.chat else "prompt",
-                       code="context_length_exceeded")
-
     def _encode(self, req: GenerateRequest) -> list[list[int]]:
         """The token ids of each prompt (chat messages rendered with the model's template), on a worker
         thread: the event loop goes on serving every other request meanwhile."""
@@ -232,7 +220,6 @@ class _Server:
         try:
             left = len(prompts) * req.n
             for ids in prompts:
-                self._check_room(req, ids)
                 room = min(self.inf.engine.max_len, model.context_length) - len(ids)
                 max_tokens = req.max_tokens or (max(room, 1) if req.chat else DEFAULT_MAX_TOKENS)
                 for j in range(req.n):
@@ -427,8 +414,11 @@ class _Server:
         and stops each classify before its next unit of work."""
         self.inf.close(drain=False)
 
-    def _refuse(self, endpoint: str, e: BaseException) -> Response:
-        err = from_exception(e, retry_after=self.retry_after)
+    def _refuse(self, endpoint: str, e: BaseException, req: GenerateRequest | None = None) -> Response:
+        """The error response, naming the request's keys as its client spelled them."""
+        keys = {} if req is None else dict(max_tokens_key=req.max_tokens_param,
+                                           prompt_key="messages" if req.chat else "prompt")
+        err = from_exception(e, retry_after=self.retry_after, **keys)
         self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 408: "invalid",
                                         413: "invalid", 429: "rejected"}.get(err.status, "error"))
         return err.response()
