@@ -30,6 +30,7 @@ from .errors import EngineError, PromptTooLongError
 from .handle import Handle
 from .kv import KV_BLOCK_SIZE
 from .item_processor import Item, ItemProcessor, State, owned_by_request
+from .scheduler import Scheduler
 from .sampling import SamplingParams, top_n_computed
 from .slots import SlotTable
 from .structured import words
@@ -121,10 +122,12 @@ class Engine:
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
         self._pending: _Issued | None = None
+        self._first_extra: list = []  # the logprob outputs of the Encoder's first tokens, [b] / [b, n], for _decode
         mx.eval(self.tokens, self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.min_p,
                 self.rows.penalty, self.rows.seeds, self.rows.steps)
         self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, prefill_s=0.0, step_s=0.0,
                              occupancy=0, submitted=0, preempted=0)
+        self.scheduler = Scheduler(self.items, self.table, self.counters)
         self._t0 = time.perf_counter()
 
     # -- requests -------------------------------------------------------------
@@ -180,7 +183,7 @@ class Engine:
 
     def waiting_for_slots(self) -> int:
         """Items added that no free slot (or not enough free K/V blocks) awaits: the engine's backlog."""
-        return max(0, -self.items.room())
+        return max(0, -self.scheduler.room())
 
     def in_flight(self) -> list[Item]:
         """What the engine holds that has not ended: waiting, then in slots."""
@@ -188,7 +191,7 @@ class Engine:
 
     def room(self) -> int:
         """Requests the engine could admit now without queueing them."""
-        return self.items.room()
+        return self.scheduler.room()
 
     @property
     def busy(self) -> bool:
@@ -197,10 +200,11 @@ class Engine:
     # -- the loop ---------------------------------------------------------------
 
     def step(self):
-        """One iteration: admit, prefill a chunk, issue a decode step, process the previous one."""
+        """One iteration: schedule (admit), run (prefill a chunk, issue a decode step), process the
+        previous step's tokens."""
         t0 = time.perf_counter()
         self.items.reap_cancelled()
-        admitted = self.items.admit()
+        admitted = self.scheduler.admit()
         if admitted:
             self._occupancy_changed(admitted)
         firsts = self._prefill()
@@ -291,7 +295,9 @@ class Engine:
         """
         if not self.items.running():
             return None
-        needed = self._make_room(firsts)
+        while (needed := self.scheduler.grow_or_preempt(firsts, self._pending is not None)) is None:
+            previous, self._pending = self._pending, None  # the items it finishes give their blocks back
+            self._process(previous)
         running = self.items.running()
         if not needed and not firsts:
             return None
@@ -325,33 +331,6 @@ class Engine:
             self.counters["steps"] += 1
             self.counters["occupancy"] += len(needed)
         return issued
-
-    def _make_room(self, firsts: list[Item]) -> list[Item]:
-        """Give each row the decode step computes the block its token is written to; returns those
-        items (running, short of ``max_tokens``, with every token issued for them on the host).
-
-        When the free blocks fall short, the step in flight is read back first (the items it
-        finishes give theirs back); then the newest request in a slot is preempted (back to the
-        front of the FIFO, recomputed when blocks are free again), and again, until the rest fit.
-        The oldest always fits alone (``make_item`` refuses what does not), so it always progresses.
-        """
-        table = self.table
-        while True:
-            needed = [it for it in self.items.running() if it.issued < it.max_tokens and it.in_step]
-            slots = [it.slot for it in needed]
-            tokens = [int(table.lengths[s]) + 1 for s in slots]
-            if not table.blocks_missing(slots, tokens):
-                table.grow(slots, tokens)
-                return needed
-            if self._pending is not None:
-                previous, self._pending = self._pending, None
-                self._process(previous)
-                continue
-            victim = max((it for it in self.items.by_slot if it is not None), key=lambda it: it.id)
-            if victim in firsts:
-                firsts.remove(victim)  # its first token, not yet read, is computed again on its return
-            self.items.preempt(victim)
-            self.counters["preempted"] += 1
 
     def _top_n(self, items) -> int:
         """The top logprobs a step computes for ``items``: -1 (none), 0 (the chosen token's) or a

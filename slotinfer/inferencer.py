@@ -412,7 +412,9 @@ class Inferencer:
     # -- reporting --------------------------------------------------------------
 
     def memory(self) -> dict:
-        """Bytes held: the K/V slot table (fixed up front), the weights, and MLX's peak."""
+        """Bytes: the K/V pool's budget (``kv_cache_bytes``) and what its arrays hold now (they grow with
+        the blocks in use and are cut back when idle), its blocks, the prefix cache's, the weights,
+        and MLX's peak (:meth:`slotinfer.engine.Engine.memory`)."""
         return self.engine.memory()
 
     def stats(self) -> dict:

@@ -3,8 +3,9 @@
 It owns every request's record (:class:`Item`), the one FIFO of waiting items (the
 Inferencer only hands requests over to it, between threads) and the free-slot list.
 Each step it takes the tokens the device produced, appends them, streams text,
-finishes items (EOS / stop token / stop string / max_tokens / cancellation), frees
-their slots and admits waiting items into them.
+finishes items (EOS / stop token / stop string / max_tokens / cancellation) and frees
+their slots; the :class:`~slotinfer.scheduler.Scheduler` decides which waiting items
+take them, and which running one gives its blocks back when the pool runs short.
 
 An item's :class:`State` changes only through :meth:`ItemProcessor.move`, along
 :data:`TRANSITIONS`: waiting -> prefilling -> decoding -> finished, and cancelled or
@@ -67,7 +68,7 @@ class Item:
     detok: object
     top_logprobs: int = -1  # -1: none; 0: the chosen token's; n: also the top n
     on_token: object = None
-    held: bool = False  # given to the ItemProcessor (ItemProcessor.add)
+    queued: bool = False  # given to the ItemProcessor (ItemProcessor.add)
     slot: int = -1
     prefilled: int = 0  # tokens of ``feed`` whose K/V its slot holds
     feed: list[int] = None  # what its slot prefills: the prompt, and after a preemption also the tokens generated
@@ -99,7 +100,7 @@ class Item:
         return len(self.prompt) + self.max_tokens - 1
 
     @property
-    def admission(self) -> int:
+    def admission_tokens(self) -> int:
         """Tokens its slot holds from admission on: what it prefills, and the first decode step's write."""
         return min(len(self.feed) + 1, self.reserved)
 
@@ -152,51 +153,24 @@ class ItemProcessor:
         """Every item the engine holds that has not ended: waiting, then those in slots."""
         return [*self.waiting, *filter(None, self.by_slot)]
 
-    def room(self) -> int:
-        """Items the engine could admit now (free slots not already promised to waiting items); negative:
-        the backlog.  While the first waiting item waits for K/V blocks, every waiting item is backlog."""
-        if self.waiting and self.free and not self._fits(self.waiting[0]):
-            return -len(self.waiting)
-        return len(self.free) - len(self.waiting)
-
-    def _fits(self, item: Item) -> bool:
-        return self.table.can_admit(item.admission, item.feed, item.salt)
-
     def watch(self, item: Item):
         """Hear of ``item``'s cancellation, from any thread, from the moment it is made."""
         item.handle._on_cancel = functools.partial(self.cancelled.put, item)
 
     def add(self, item: Item):
-        item.held = True
+        item.queued = True
         self.waiting.append(item)
         if item.handle.cancel_requested:  # cancelled before it got here
             self.cancelled.put(item)
 
-    def admit(self) -> list[Item]:
-        """Move waiting items (FIFO) into free slots while the pool's free blocks hold what they
-        prefill (:attr:`Item.admission`; later blocks are taken as decoding reaches them); returns
-        the newly admitted.  Each starts from the longest cached prefix of what it prefills, shared
-        by reference, and prefills the rest.  The first waiting item that does not fit waits, and
-        those behind it with it: a long request is never overtaken for ever by short ones."""
-        admitted = []
-        while self.free and self.waiting:
-            item = self.waiting[0]
-            if item.handle.cancel_requested:
-                self.waiting.popleft()
-                self.finish(item, "cancelled")
-                continue
-            if not self._fits(item):
-                break
-            self.waiting.popleft()
-            item.slot = self.free.pop(0)
-            self.move(item, State.PREFILLING)
-            item.t_admit = time.perf_counter()
-            self.by_slot[item.slot] = item
-            item.prefilled = self.table.admit(item.slot, item.admission, item.feed, item.salt)
-            if item.feed is item.prompt:  # its first admission: what the usage reports
-                item.cached = item.prefilled
-            admitted.append(item)
-        return admitted
+    def place(self, item: Item) -> int:
+        """``item`` (taken off the queue) goes into the first free slot: prefilling from now on.
+        Returns the slot."""
+        item.slot = self.free.pop(0)
+        self.move(item, State.PREFILLING)
+        item.t_admit = time.perf_counter()
+        self.by_slot[item.slot] = item
+        return item.slot
 
     def preempt(self, item: Item):
         """Take ``item`` out of its slot and put it first in the FIFO: its blocks go back to the pool,
@@ -213,9 +187,9 @@ class ItemProcessor:
     def _keep(self, item: Item):
         """``item`` leaves its slot: its prompt and what it generated stay in the prefix cache, as far
         as the slot holds their K/V (a generated token's is written by the step that reads it)."""
-        held = min(int(self.table.lengths[item.slot]), len(item.prompt) + len(item.tokens))
-        if self.table.caching and held >= self.table.block_size:
-            self.table.register(item.slot, (item.prompt + item.tokens)[:held], item.salt)
+        written = min(int(self.table.lengths[item.slot]), len(item.prompt) + len(item.tokens))
+        if self.table.caching and written >= self.table.block_size:
+            self.table.register(item.slot, (item.prompt + item.tokens)[:written], item.salt)
 
     def _free_slot(self, item: Item):
         self.by_slot[item.slot] = None
@@ -224,13 +198,13 @@ class ItemProcessor:
         self.free.sort()
 
     def reap_cancelled(self):
-        """End the cancelled items held (a no-op for one that ended meanwhile).
+        """End the cancelled items queued (a no-op for one that ended meanwhile).
 
         One cancelled before :meth:`add` is passed over: :meth:`add` hears of it again.
         """
         while not self.cancelled.empty():
             item = self.cancelled.get()
-            if item.held:
+            if item.queued:
                 self.finish(item, "cancelled")
 
     def accept(self, item: Item, token: int, logprob=None, top=None) -> bool:
@@ -289,7 +263,7 @@ class ItemProcessor:
         """End ``item`` exactly once and free its slot."""
         if item.state.ended:
             return
-        if item.state is State.WAITING and item.held:  # one never added is in no queue: nothing to search
+        if item.state is State.WAITING and item.queued:  # one never added is in no queue: nothing to search
             try:
                 self.waiting.remove(item)
             except ValueError:
