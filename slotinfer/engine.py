@@ -24,14 +24,14 @@ import mlx.core as mx
 import numpy as np
 
 from . import device, request
-from .decoder import Decoder, RowParams, spread
+from .decoder import Decoder
 from .encoder import Encoder
 from .errors import EngineError, PromptTooLongError
 from .handle import Handle
 from .kv import KV_BLOCK_SIZE
 from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .scheduler import Scheduler
-from .sampling import SamplingParams, top_n_computed
+from .sampling import RowParams, SamplingParams, spread, top_n_computed
 from .slots import SlotTable
 from .structured import words
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .errors import EngineError
 from .handle import Handle, StreamEvent
-from .stops import find_stop
+from .stops import after_token, final_text, longest
 from .sampling import SamplingParams
 from .slots import SlotTable
 from .types import Completion
@@ -218,26 +218,17 @@ class ItemProcessor:
             item.logprobs.append(logprob)
         if top is not None:
             item.top.append(top[: item.top_logprobs])  # the step computed at least as many as any row asked for
-        if token in item.enders:
-            return self._emit_and_finish(item, token, "stop")
-        item.text += item.detok.add(token)
-        if item.constraint is not None and item.constraint.advance(token):
-            return self._emit_and_finish(item, token, "stop")  # the output is complete
-        if item.stops and find_stop(item.text[max(0, item.emitted - _longest(item.stops)):], item.stops) is not None:
-            return self._emit_and_finish(item, token, "stop")
-        if len(item.tokens) >= item.max_tokens:
-            return self._emit_and_finish(item, token, "length")
-        hold = _longest(item.stops) - 1 if item.stops else 0  # text that may still become a stop string
+        item.text, reason = after_token(token, item.text, detok=item.detok, enders=item.enders,
+                                        constraint=item.constraint, stops=item.stops,
+                                        checked=max(0, item.emitted - longest(item.stops)), count=len(item.tokens),
+                                        max_tokens=item.max_tokens)
+        if reason is not None:
+            item.text, reason = final_text(item.text, reason, detok=item.detok, stops=item.stops)
+            if self._emit(item, token, len(item.text)):
+                self.finish(item, reason)
+            return True
+        hold = longest(item.stops) - 1 if item.stops else 0  # text that may still become a stop string
         return not self._emit(item, token, len(item.text) - hold)
-
-    def _emit_and_finish(self, item, token, reason) -> bool:
-        item.text += item.detok.flush()
-        cut = find_stop(item.text, item.stops) if item.stops else None
-        if cut is not None:
-            item.text, reason = item.text[:cut], "stop"
-        if self._emit(item, token, len(item.text)):
-            self.finish(item, reason)
-        return True
 
     def _emit(self, item, token, upto) -> bool:
         """Stream text up to ``upto``; False (and the item failed) if the consumer raised."""
@@ -303,7 +294,3 @@ def owned_by_request(e: BaseException) -> bool:
     which must stop the program, not one request.  Signals never reach the worker thread.
     """
     return not (isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread())
-
-
-def _longest(stops) -> int:
-    return max(len(s) for s in stops)
