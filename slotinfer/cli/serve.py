@@ -27,8 +27,8 @@ def add_parser(sub):
                         "tokens take, at most a quarter of the memory); a request waits until its prompt and "
                         "max_tokens fit")
     p.add_argument("--prefix-cache-bytes", type=byte_size, default=None, metavar="SIZE",
-                   help="the prefix cache's budget, e.g. 1GiB (default: an eighth of the memory, at most 4 GiB; "
-                        "docs/prefix-cache.md)")
+                   help="the most K/V the prefix cache keeps in the pool while no request holds it, e.g. 1GiB "
+                        "(default: an eighth of the memory, at most 4 GiB; docs/prefix-cache.md)")
     p.add_argument("--no-prefix-cache", action="store_true", help="keep no K/V across requests")
     p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="the dtype K/V are kept in (default: the model's compute dtype); float16 halves their memory")
