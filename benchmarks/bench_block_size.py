@@ -14,6 +14,7 @@ no ``block_size`` argument runs with its own.
   model's answers, 24 new tokens each: the median TTFT of turns 2-6.
 
     python benchmarks/bench_block_size.py --block-size 128
+    python benchmarks/bench_block_size.py --block-size 64 --small   # a few minutes on a busy machine
     PYTHONPATH=/tmp/base python benchmarks/bench_block_size.py   # another revision, its own block
 """
 
@@ -96,20 +97,20 @@ class Conversation:
         return msgs + [{"role": "user", "content": self.users[len(answers)]}]
 
 
-def shared_ttft(model, block_size) -> float:
+def shared_ttft(model, block_size, questions=24, new=8) -> float:
     e = engine(model, block_size, slots=8, max_len=2048)
     closed_loop(e, model, [Conversation(system_prompt("warm-up"), ["hello"])], 4, 1)  # compile outside
     system = system_prompt("shared")
-    ttft = closed_loop(e, model, [Conversation(system, [q]) for q in QUESTIONS], 8, 4)
+    ttft = closed_loop(e, model, [Conversation(system, [q]) for q in QUESTIONS[:questions]], new, 4)
     return statistics.median(t[0] for t in ttft[1:])
 
 
-def chat_ttft(model, block_size) -> float:
+def chat_ttft(model, block_size, chats=4, turns=6, new=24) -> float:
     e = engine(model, block_size, slots=8, max_len=2048)
     closed_loop(e, model, [Conversation(system_prompt("warm-up"), ["hello"])], 4, 1)
-    convs = [Conversation(f"You are assistant number {i} of the Example Store. Answer briefly.", TURNS)
-             for i in range(4)]
-    ttft = closed_loop(e, model, convs, 24, 4)
+    convs = [Conversation(f"You are assistant number {i} of the Example Store. Answer briefly.", TURNS[:turns])
+             for i in range(chats)]
+    ttft = closed_loop(e, model, convs, new, chats)
     return statistics.median(t for turns in ttft for t in turns[1:])
 
 
@@ -117,17 +118,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--block-size", type=int, default=0, help="the engine's K/V block (0: the revision's own)")
     ap.add_argument("--parts", default="decode,shared,chat")
+    ap.add_argument("--small", action="store_true", help="a quick version on a busy machine: 128-token prompts and "
+                    "32 new tokens for decode, 8 questions of 4 new tokens, 2 chats of 4 turns of 8 new tokens")
     a = ap.parse_args()
+    sizes = dict(decode=dict(prompt=128, new=32), shared=dict(questions=8, new=4), chat=dict(chats=2, turns=4, new=8)) \
+        if a.small else dict(decode={}, shared={}, chat={})
     model = slotinfer.load(default_model.path())
     out = {"block_size": a.block_size or "default", "revision": os.path.dirname(os.path.dirname(slotinfer.__file__))}
     parts = a.parts.split(",")
     if "decode" in parts:
-        out["decode_1"] = round(decode_tokens_per_s(model, a.block_size, 1), 2)
-        out["decode_32"] = round(decode_tokens_per_s(model, a.block_size, 32), 2)
+        out["decode_1"] = round(decode_tokens_per_s(model, a.block_size, 1, **sizes["decode"]), 2)
+        out["decode_32"] = round(decode_tokens_per_s(model, a.block_size, 32, **sizes["decode"]), 2)
     if "shared" in parts:
-        out["ttft_shared_s"] = round(shared_ttft(model, a.block_size), 4)
+        out["ttft_shared_s"] = round(shared_ttft(model, a.block_size, **sizes["shared"]), 4)
     if "chat" in parts:
-        out["ttft_chat_s"] = round(chat_ttft(model, a.block_size), 4)
+        out["ttft_chat_s"] = round(chat_ttft(model, a.block_size, **sizes["chat"]), 4)
     print(json.dumps(out), flush=True)
 
 
