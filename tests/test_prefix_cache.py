@@ -7,7 +7,7 @@ included) with the engine's own block size, so prompts of a few hundred tokens s
 """
 
 import pytest
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 import slotinfer
@@ -62,7 +62,8 @@ def shared_prefix_requests(draw):
        pool_blocks=st.sampled_from([None, 8]))
 def test_cache_hits_give_the_tokens_of_a_cold_run(models, family, reqs, slots, cap_blocks, pool_blocks):
     """Under a small cap and a small pool (allocation evicting cached blocks) hits stay exact, and
-    no write lands in a shared block (the pool refuses one, which would fail the request)."""
+    no write lands in a shared block: ``BlockPool.locate``, the one way to a write's place, refuses
+    one, which would fail the request (``result`` raises) and the engine's other rows."""
     m = models[family]
     engine = _engine(m, slots, cap_blocks=cap_blocks, pool_blocks=pool_blocks)
     pool = engine.table.pool
@@ -73,6 +74,7 @@ def test_cache_hits_give_the_tokens_of_a_cold_run(models, family, reqs, slots, c
         want = _alone(m, ids, params)
         assert got.tokens == want.tokens and got.text == want.text
         assert 0 <= got.cached_tokens < len(ids) and got.cached_tokens % BS == 0
+    event("blocks shared by running rows" if max(shared) else "no block shared at once")
     assert len(pool.cached) <= cap_blocks and pool.num_used == 0 and (pool.ref == 0).all()
     assert engine.items.free == list(range(slots)) and not engine.busy
 
