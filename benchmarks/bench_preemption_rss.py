@@ -14,12 +14,12 @@ import argparse
 import json
 import random
 
-import mlx.core as mx
-
-import slotinfer
+import slotinfer  # first: installs the BLAS before mlx.core loads
 from slotinfer import default_model
 from slotinfer.engine import Engine
 from slotinfer.kv import KV_BLOCK_SIZE, block_bytes
+
+import mlx.core as mx
 
 
 def rss() -> int:
