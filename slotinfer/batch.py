@@ -17,7 +17,7 @@ def batch_generate(model, prompts, *, slots: int = 32, prefill_tokens: int = 512
     """Generate for many prompts on the slot engine; one bad prompt gets its own error.
 
     Prompts that start alike share the K/V of what they have in common through the engine's
-    prefix cache (``prefix_cache_bytes``: its budget; None: the device's default; 0: off).
+    prefix cache (``prefix_cache_bytes``: its cap on cached blocks nobody holds; None: the device's default; 0: off).
     ``kv_cache_bytes`` sizes the engine's K/V pool (None: ``slots`` of the longest prompt and
     ``max_tokens``, at most a quarter of the memory); prompts wait for its blocks.
     """

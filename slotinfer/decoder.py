@@ -21,10 +21,9 @@ import numpy as np
 
 from . import settings
 from ._compile import ThreadCompiled
-from .sampling import adjust, logprobs_of, penalize, sample
 from .kv import ZERO, PagedDecodeView, write_index
+from .sampling import RowParams, select, spread
 from .slots import SlotTable
-from .structured import apply_mask
 
 def row_buckets(slots: int) -> list[int]:
     """The row counts a step may compute: 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and
@@ -76,7 +75,7 @@ class Decoder:
         :func:`~slotinfer.sampling.top_n_computed`), never by what requests ask for."""
         return len(self._compiled)
 
-    def step(self, tokens, live, positions, span: int, rows: "RowParams", *, top_n: int = -1, masks=None):
+    def step(self, tokens, live, positions, span: int, rows: RowParams, *, top_n: int = -1, masks=None):
         """Run one step for the ``live`` slots (sorted); returns ``(tokens [b], logprob outputs [b, ...])``,
         all lazy.
 
@@ -136,121 +135,27 @@ class Decoder:
             index = write_index(blocks[:, None], offsets[:, None], **geometry)
             view = PagedDecodeView(keys, values, index, positions, tables, positions)
             logits = net.head(net(tok[:, None], view)[:, 0])
-            raw = logits
-            if use_penalty:
+            if use_penalty:  # the input token is the row's latest: it joins what the row has seen
                 r = mx.arange(n)
                 mine_seen = mine(seen)
                 mine_seen[r, tok] = mine_seen[r, tok] | is_live  # padding rows keep theirs
-                logits = penalize(logits, mine_seen, mine(penalty))
                 seen = mx.put_along_axis(seen, mx.broadcast_to(picked[:, None], mine_seen.shape), mine_seen, axis=0)
-            if use_adjust:  # the input token is the row's latest generated one: count it, then penalize
+            if use_adjust:  # and it is counted
                 r = mx.arange(n)
                 mine_counts = mine(counts)
                 mine_counts[r, tok] = mine_counts[r, tok] + is_live
-                logits = adjust(logits, mine(bias), mine_counts, mine(presence), mine(frequency))
                 counts = mx.put_along_axis(counts, mx.broadcast_to(picked[:, None], mine_counts.shape), mine_counts,
                                            axis=0)
-            if masked:
-                logits = apply_mask(logits, mask)
-            if greedy:
-                nxt = mx.argmax(logits, axis=-1).astype(mx.int32)
-            else:
-                nxt = sample(logits, mine(temperature), mine(top_k), mine(top_p), mine(min_p), mine(seeds),
-                             mine(steps), use_sort=use_sort)
+            nxt, chosen = select(
+                logits, temperature=mine(temperature), top_k=mine(top_k), top_p=mine(top_p), min_p=mine(min_p),
+                seeds=mine(seeds), steps=mine(steps), penalty=mine(penalty) if use_penalty else None,
+                seen=mine_seen if use_penalty else None, counts=mine_counts if use_adjust else None,
+                bias=mine(bias) if use_adjust else None, presence=mine(presence) if use_adjust else None,
+                frequency=mine(frequency) if use_adjust else None, mask=mask if masked else None, greedy=greedy,
+                use_sort=use_sort, top_n=top_n)
             # Padding rows put back what their slot held (a padding slot may appear more than once).
             out = mx.put_along_axis(tokens, picked, mx.where(is_live, nxt, tok), axis=0)
-            extra = []
-            if top_n >= 0:  # -1: no logprobs; 0: the chosen token's; n: also the top n
-                chosen, ids, vals = logprobs_of(raw, nxt, top_n)
-                extra = [spread(a, picked, slots) for a in [chosen] + ([ids, vals] if top_n > 0 else [])]
+            extra = [spread(a, picked, slots) for a in chosen]
             return [out, view.keys, view.values, seen, counts, *extra]
 
         return step
-
-
-def spread(a, picked, slots: int):
-    """``a`` [n, ...], rows of a step or of the Encoder, placed at their slots ``picked`` [n] in a
-    [slots, ...] array (other slots: 0)."""
-    out = mx.zeros((slots, *a.shape[1:]), dtype=a.dtype)
-    out[picked] = a
-    return out
-
-
-class RowParams:
-    """Per-slot sampling parameters as [b] device arrays, rebuilt when slot occupancy changes.
-
-    The [b, vocab] arrays exist only while some request needs them: ``seen`` (repetition
-    penalty), and ``counts`` with ``bias`` (presence and frequency penalties, logit_bias).
-    """
-
-    def __init__(self, slots: int, vocab: int):
-        self.slots, self.vocab = slots, vocab
-        self.seen = None  # [b, vocab] bool, allocated once some request asks for a repetition penalty
-        self.counts = self.bias = None  # [b, vocab] float32, while some request adjusts logits
-        self.set([None] * slots)
-
-    def set(self, items):
-        """``items[i]`` is the item in slot i (its ``params``, ``seed`` and logit adjustments), or None."""
-        def col(f, dt, default):
-            return mx.array([f(it) if it else default for it in items], dtype=dt)
-
-        self.temperature = col(lambda it: it.params.temperature, mx.float32, 0.0)
-        self.top_k = col(lambda it: it.params.top_k, mx.int32, 0)
-        self.top_p = col(lambda it: it.params.top_p, mx.float32, 1.0)
-        self.min_p = col(lambda it: it.params.min_p, mx.float32, 0.0)
-        self.penalty = col(lambda it: it.params.repetition_penalty, mx.float32, 1.0)
-        self.seeds = col(lambda it: it.seed, mx.uint32, 0)
-        live = [it for it in items if it]
-        self.all_greedy = all(it.params.temperature == 0 for it in live)
-        self.use_sort = any(it.params.top_k > 0 or it.params.top_p < 1 for it in live if it.params.temperature > 0)
-        if self.seen is None and any(it.params.repetition_penalty != 1.0 for it in live):
-            self.seen = mx.zeros((self.slots, self.vocab), dtype=mx.bool_)
-        self.steps = mx.zeros((self.slots,), dtype=mx.uint32)
-        self._adjustments(items, live)
-
-    def _adjustments(self, items, live):
-        if not any(it.adjusts for it in live):
-            self.counts = self.bias = None  # free again: the step no longer reads them
-            self.presence = self.frequency = None
-            return
-        if self.counts is None:
-            self.counts = mx.zeros((self.slots, self.vocab), dtype=mx.float32)
-        self.presence = mx.array([it.presence if it else 0.0 for it in items], dtype=mx.float32)
-        self.frequency = mx.array([it.frequency if it else 0.0 for it in items], dtype=mx.float32)
-        bias = np.zeros((self.slots, self.vocab), dtype=np.float32)
-        for s, it in enumerate(items):
-            if it and it.logit_bias:
-                bias[s, list(it.logit_bias)] = list(it.logit_bias.values())
-        self.bias = mx.array(bias)
-
-    def take(self, rows: list[int]):
-        """The parameters of ``rows`` only (for the Encoder's first token)."""
-        idx = mx.array(rows)
-        sub = RowParams.__new__(RowParams)
-        for name in ("temperature", "top_k", "top_p", "min_p", "penalty", "seeds"):
-            setattr(sub, name, getattr(self, name)[idx])
-        sub.seen = None if self.seen is None else self.seen[idx]
-        for name in ("counts", "bias", "presence", "frequency"):
-            a = getattr(self, name)
-            setattr(sub, name, None if a is None else a[idx])
-        sub.use_sort, sub.all_greedy = self.use_sort, self.all_greedy
-        return sub
-
-    def reset_seen(self, rows: list[int], prompts: list[list[int]], generated: list[list[int]] | None = None):
-        """Start the histories of newly admitted rows: what they prefill (``prompts``) for the
-        repetition penalty, and the tokens they ``generated`` before (none, unless a preempted row
-        is resumed) for the presence and frequency penalties."""
-        if self.counts is not None:
-            self.counts[mx.array(rows)] = 0.0
-            again = [(r, g) for r, g in zip(rows, generated or ()) if g]
-            if again:
-                counts = np.zeros((len(again), self.vocab), dtype=np.float32)
-                for i, (_, g) in enumerate(again):
-                    counts[i] = np.bincount(g, minlength=self.vocab)
-                self.counts[mx.array([r for r, _ in again])] = mx.array(counts)
-        if self.seen is None:
-            return
-        self.seen[mx.array(rows)] = False
-        rr = [r for r, p in zip(rows, prompts) for _ in p]
-        ii = [t for p in prompts for t in p]
-        self.seen[mx.array(rr), mx.array(ii)] = True

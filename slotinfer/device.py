@@ -188,7 +188,8 @@ def kv_memory(device=None) -> int:
 
 
 def prefix_cache_bytes(device=None) -> int:
-    """The prefix cache's default byte budget: an eighth of :func:`kv_memory`, at most 4 GiB."""
+    """The prefix cache's default cap (cached K/V blocks no request holds): an eighth of
+    :func:`kv_memory`, at most 4 GiB."""
     return min(kv_memory(device) // 8, 4 << 30)
 
 

@@ -25,8 +25,7 @@ import mlx.core as mx
 from . import device
 from .cache import window_mask
 from .models.transformer import layer_by_layer
-from .sampling import adjust, logprobs_of, penalize, sample
-from .structured import apply_mask
+from .sampling import select
 from .slots import PrefillView, SlotTable
 
 FAR = 1 << 30  # key position of a past column that must stay invisible (padding of an earlier segment)
@@ -133,17 +132,12 @@ class Encoder:
             return None
         logits = self.net.head(last_hidden(h, lens, done))
         p = rows_params
-        raw = logits
-        if p.seen is not None:
-            logits = penalize(logits, p.seen, p.penalty)
-        if p.counts is not None:  # the presence and frequency penalties count what a resumed row generated
-            logits = adjust(logits, p.bias, p.counts, p.presence, p.frequency)
-        if mask is not None:
-            logits = apply_mask(logits, mask)
-        first = sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.seeds,
-                       mx.zeros(len(done), dtype=mx.uint32) if steps is None else steps, use_sort=p.use_sort)
-        extra = list(logprobs_of(raw, first, top_n)) if top_n >= 0 else []
-        return first, [e for e in extra if e is not None]
+        first, extra = select(
+            logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seeds=p.seeds,
+            steps=mx.zeros(len(done), dtype=mx.uint32) if steps is None else steps, penalty=p.penalty, seen=p.seen,
+            counts=p.counts, bias=p.bias, presence=p.presence, frequency=p.frequency, mask=mask,
+            use_sort=p.use_sort, top_n=top_n)
+        return first, extra
 
 
 # -- classify's prefill: rows after K/V computed before -------------------------------------

@@ -24,13 +24,14 @@ import mlx.core as mx
 import numpy as np
 
 from . import device, request
-from .decoder import Decoder, RowParams, spread
+from .decoder import Decoder
 from .encoder import Encoder
 from .errors import EngineError, GrammarError, PromptTooLongError
 from .handle import Handle
-from .kv import BLOCK_SIZE, PrefixCache
+from .kv import KV_BLOCK_SIZE
 from .item_processor import Item, ItemProcessor, State, owned_by_request
-from .sampling import SamplingParams, top_n_computed
+from .scheduler import Scheduler
+from .sampling import RowParams, SamplingParams, spread, top_n_computed
 from .slots import SlotTable
 from .structured import wait_for_any, words
 
@@ -93,14 +94,14 @@ class _OnHost:
 
 class Engine:
     def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512,
-                 prefix_cache_bytes: int | None = None, prefix_block_size: int = BLOCK_SIZE, kv_dtype=None,
-                 kv_cache_bytes: int | None = None):
+                 prefix_cache_bytes: int | None = None, kv_dtype=None, kv_cache_bytes: int | None = None,
+                 block_size: int = KV_BLOCK_SIZE):
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         if not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an int >= 2, got {max_len!r}")
-        if not isinstance(prefix_block_size, int) or prefix_block_size < 1:
-            raise ValueError(f"prefix_block_size must be an int >= 1, got {prefix_block_size!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
         if prefix_cache_bytes is not None and (not isinstance(prefix_cache_bytes, int)
                                                or isinstance(prefix_cache_bytes, bool) or prefix_cache_bytes < 0):
             raise ValueError(f"prefix_cache_bytes must be an int >= 0 (0: no prefix cache; None: the device's "
@@ -111,21 +112,22 @@ class Engine:
                              f"most a quarter of the memory), got {kv_cache_bytes!r}")
         self.model, self.slots, self.max_len = model, slots, max_len
         self.table = SlotTable(model.config, slots=slots, max_len=max_len, kv_cache_bytes=kv_cache_bytes,
-                               dtype=device.kv_dtype(model.dtype, override=kv_dtype))
+                               dtype=device.kv_dtype(model.dtype, override=kv_dtype), block_size=block_size,
+                               prefix_cache_bytes=device.prefix_cache_bytes() if prefix_cache_bytes is None
+                               else prefix_cache_bytes)
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
         self.items = ItemProcessor(self.table)
-        self.prefix_cache = _prefix_cache(model, self.table.keys[0].dtype, prefix_cache_bytes, prefix_block_size)
-        if self.prefix_cache is not None:
-            self.items.on_release = self._cache_what_it_holds
         self.rows = RowParams(slots, model.config.vocab_size)
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
         self._pending: _Issued | None = None
+        self._first_extra: list = []  # the logprob outputs of the Encoder's first tokens, [b] / [b, n], for _decode
         mx.eval(self.tokens, self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.min_p,
                 self.rows.penalty, self.rows.seeds, self.rows.steps)
         self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, prefill_s=0.0, step_s=0.0,
                              occupancy=0, submitted=0, preempted=0)
+        self.scheduler = Scheduler(self.items, self.table, self.counters)
         self._t0 = time.perf_counter()
 
     # -- requests -------------------------------------------------------------
@@ -141,22 +143,7 @@ class Engine:
         p = request.check(params, vocab)
         ids = model.encode_prompt(prompt)
         budget = min(p["max_tokens"], model.context_length - len(ids))
-        if len(ids) + budget > self.max_len:
-            e = PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: "
-                f"{len(ids) + p['max_tokens']} > the engine's max_len {self.max_len}; shorten the prompt, lower "
-                f"max_tokens (to at most {max(self.max_len - len(ids), 0)}) or raise max_len")
-            e.param = "max_tokens"
-            raise e
-        room = self.table.capacity_tokens
-        if len(ids) + budget - 1 > room:
-            e = PromptTooLongError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {p['max_tokens']}: their K/V need "
-                f"{len(ids) + budget - 1} tokens and the engine's whole K/V pool holds {room} "
-                f"(kv_cache_bytes={self.table.num_blocks * self.table.block_nbytes}); shorten the prompt, lower "
-                f"max_tokens (to at most {max(room + 1 - len(ids), 0)}) or raise kv_cache_bytes")
-            e.param = "max_tokens"
-            raise e
+        self._check_room(len(ids), p["max_tokens"], budget)
         sampling = SamplingParams(*(p[k] for k in request.SAMPLING))
         constraint = model.grammars.constraint(p)  # compiled here, on the caller's thread: a bad one is refused
         seed = sampling.seed if sampling.seed is not None else random.getrandbits(32)
@@ -175,12 +162,28 @@ class Engine:
         self.items.watch(item)  # its handle's cancel() reaches the item processor, wherever the item is
         return item
 
+    def _check_room(self, n: int, asked: int, budget: int):
+        """Refuse a request whose prompt of ``n`` tokens and ``budget`` (``max_tokens`` as ``asked``,
+        cut to the model's context) overflow a slot (``max_len`` tokens) or the whole K/V pool (the
+        prompt and every token but the last hold K/V): one rule, which the server words for its
+        client too."""
+        room = self.table.capacity_tokens
+        for over, need, limit, setting, most in (
+                (n + budget > self.max_len, n + asked, self.max_len, "max_len", self.max_len - n),  # quotes what was asked
+                (n + budget - 1 > room, n + budget - 1, room, "kv_cache_bytes", room + 1 - n)):
+            if over:
+                e = PromptTooLongError(prompt_tokens=n, max_tokens=asked, limit=limit, setting=setting, need=need,
+                                       most=most if most >= 1 else None,
+                                       param="max_tokens" if most >= 1 else "prompt",
+                                       pool_bytes=self.table.budget_bytes)
+                raise e
+
     def add(self, item: Item):
         self.items.add(item)
 
     def waiting_for_slots(self) -> int:
         """Items added that no free slot (or not enough free K/V blocks) awaits: the engine's backlog."""
-        return max(0, -self.items.room())
+        return max(0, -self.scheduler.room())
 
     def in_flight(self) -> list[Item]:
         """What the engine holds that has not ended: waiting, then in slots."""
@@ -188,7 +191,7 @@ class Engine:
 
     def room(self) -> int:
         """Requests the engine could admit now without queueing them."""
-        return self.items.room()
+        return self.scheduler.room()
 
     @property
     def busy(self) -> bool:
@@ -197,13 +200,13 @@ class Engine:
     # -- the loop ---------------------------------------------------------------
 
     def step(self):
-        """One iteration: admit, prefill a chunk, issue a decode step, process the previous one."""
+        """One iteration: schedule (admit), run (prefill a chunk, issue a decode step), process the
+        previous step's tokens."""
         t0 = time.perf_counter()
         self.items.reap_cancelled()
-        admitted = self.items.admit()
+        admitted = self.scheduler.admit()
         if admitted:
             self._occupancy_changed(admitted)
-            self._reuse(admitted)
         firsts = self._prefill()
         if self._pending is not None and self._needs_previous(firsts):
             previous, self._pending = self._pending, None  # constrained rows need its tokens for their masks
@@ -249,40 +252,6 @@ class Engine:
         self.rows.reset_seen([it.slot for it in admitted], [it.feed for it in admitted],
                              [it.tokens for it in admitted])
 
-    # -- the prefix cache ---------------------------------------------------------
-
-    def _reuse(self, admitted):
-        """Newly admitted items start from the longest cached prefix of what they prefill (their
-        prompt, and a resumed item's tokens): its K/V is copied into their slot, and the Encoder
-        prefills only the rest (at least the last token, whose logits give the next one)."""
-        cache = self.prefix_cache
-        if cache is None:
-            return
-        for it in admitted:
-            blocks = cache.match(it.feed, it.salt, limit=len(it.feed) - 1)
-            if blocks:
-                self.table.write(it.slot, mx.concatenate([b.keys for b in blocks], axis=2),
-                                 mx.concatenate([b.values for b in blocks], axis=2))
-                it.prefilled = len(blocks) * cache.block_size
-                if it.feed is it.prompt:  # its first admission: what the usage reports
-                    it.cached = it.prefilled
-                self.table.lengths[it.slot] = it.prefilled
-
-    def _cache(self, item: Item, tokens):
-        """Copy the full blocks of ``tokens`` (what ``item``'s slot holds from position 0) that the
-        cache lacks."""
-        slot = item.slot
-        new = self.prefix_cache.insert(tokens, item.salt, lambda a, b: self.table.read(slot, a, b))
-        if new:  # copied now, before the slot is written again
-            mx.async_eval([a for b in new for a in (b.keys, b.values)])
-
-    def _cache_what_it_holds(self, item: Item):
-        """An item leaves its slot: its prompt and what it generated enter the cache, as far as
-        the slot holds their K/V (a generated token's is written by the step that reads it)."""
-        held = min(int(self.table.lengths[item.slot]), len(item.prompt) + len(item.tokens))
-        if held >= self.prefix_cache.block_size:
-            self._cache(item, (item.prompt + item.tokens)[:held])
-
     def _prefill(self) -> list[Item]:
         plan = self.encoder.plan(self.items.prefilling())
         if not plan:
@@ -300,8 +269,8 @@ class Engine:
             it.prefilled += len(c.tokens)
             self.table.lengths[it.slot] += len(c.tokens)
             self.counters["prefill_tokens"] += len(c.tokens)
-            if self.prefix_cache is not None:  # chunk by chunk: a request admitted meanwhile hits what is in
-                self._cache(it, it.feed[: it.prefilled])
+            # chunk by chunk into the prefix cache: a request admitted meanwhile shares what is in
+            self.table.register(it.slot, it.feed[: it.prefilled], it.salt)
         if done:
             first, extra = out
             slots = mx.array([it.slot for it in done])
@@ -326,7 +295,9 @@ class Engine:
         """
         if not self.items.running():
             return None
-        needed = self._make_room(firsts)
+        while (needed := self.scheduler.grow_or_preempt(firsts, self._pending is not None)) is None:
+            previous, self._pending = self._pending, None  # the items it finishes give their blocks back
+            self._process(previous)
         running = self.items.running()
         if not needed and not firsts:
             masking = [it.constraint for it in running if it.constraint is not None and it.in_step]
@@ -363,34 +334,6 @@ class Engine:
             self.counters["steps"] += 1
             self.counters["occupancy"] += len(needed)
         return issued
-
-    def _make_room(self, firsts: list[Item]) -> list[Item]:
-        """Give each row the decode step computes the block its token is written to; returns those
-        items (running, short of ``max_tokens``, with every token issued for them on the host).
-
-        When the free blocks fall short, the step in flight is read back first (the items it
-        finishes give theirs back); then the newest request in a slot is preempted (back to the
-        front of the FIFO, recomputed when blocks are free again), and again, until the rest fit.
-        The oldest always fits alone (``make_item`` refuses what does not), so it always progresses.
-        """
-        table = self.table
-        while True:
-            needed = [it for it in self.items.running() if it.issued < it.max_tokens and it.in_step
-                      and (it.constraint is None or it.constraint.ready())]  # a mask still computing: sits out
-            slots = [it.slot for it in needed]
-            tokens = [int(table.lengths[s]) + 1 for s in slots]
-            if not table.short(slots, tokens):
-                table.hold(slots, tokens)
-                return needed
-            if self._pending is not None:
-                previous, self._pending = self._pending, None
-                self._process(previous)
-                continue
-            victim = max((it for it in self.items.by_slot if it is not None), key=lambda it: it.id)
-            if victim in firsts:
-                firsts.remove(victim)  # its first token, not yet read, is computed again on its return
-            self.items.preempt(victim)
-            self.counters["preempted"] += 1
 
     def _top_n(self, items) -> int:
         """The top logprobs a step computes for ``items``: -1 (none), 0 (the chosen token's) or a
@@ -432,14 +375,18 @@ class Engine:
     # -- reporting --------------------------------------------------------------
 
     def memory(self) -> dict:
+        """Bytes: ``kv_cache_bytes`` is the K/V pool's budget (the parameter, in whole blocks) and
+        ``kv_allocated_bytes`` what its arrays hold now; ``prefix_cache_bytes`` is the cached blocks
+        no request holds (inside the pool) and ``prefix_cache_budget_bytes`` their cap."""
         weights = sum(v.nbytes for _, v in _leaves(self.model.net.parameters()))
-        cache = self.prefix_cache
+        table = self.table
+        cache = table.cache_stats()
         return {
             "slots": self.slots, "max_len": self.max_len,
-            "kv_cache_bytes": self.table.nbytes, "kv_bytes_per_slot": self.table.nbytes // self.slots,
-            **self.table.stats(),
-            "prefix_cache_bytes": cache.nbytes if cache else 0,
-            "prefix_cache_budget_bytes": cache.budget_bytes if cache else 0,
+            "kv_cache_bytes": table.budget_bytes, "kv_allocated_bytes": table.allocated_bytes,
+            **table.stats(),
+            "prefix_cache_bytes": cache["bytes"] if cache else 0,
+            "prefix_cache_budget_bytes": table.cache_budget_bytes if cache else 0,
             "weights_bytes": weights, "peak_bytes": mx.get_peak_memory(),
         }
 
@@ -456,20 +403,8 @@ class Engine:
             "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_s"] if c["prefill_s"] else 0.0,
             "peak_memory_bytes": mx.get_peak_memory(),
             "uptime_s": time.perf_counter() - self._t0,
-            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
+            "prefix_cache": self.table.cache_stats(),
         }
-
-
-def _prefix_cache(model, dtype, budget: int | None, block_size: int) -> PrefixCache | None:
-    """The engine's prefix cache: ``budget`` bytes (None: the device's default; 0: none) in blocks of
-    ``block_size`` tokens."""
-    if budget is None:
-        budget = device.prefix_cache_bytes()
-    if budget == 0:
-        return None
-    cfg = model.config
-    return PrefixCache(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                       dtype=dtype, budget_bytes=budget, block_size=block_size)
 
 
 def _leaves(tree, prefix=""):

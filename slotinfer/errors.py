@@ -46,7 +46,43 @@ class InvalidRequestError(SlotinferError, ValueError):
 
 
 class PromptTooLongError(InvalidRequestError):
-    """The prompt (plus the tokens asked for) does not fit the model's or engine's context."""
+    """The prompt (plus the tokens asked for) does not fit the model's or engine's context.
+
+    Raised by the engine's check it carries its numbers: ``prompt_tokens``, ``max_tokens`` (as asked),
+    ``limit`` (tokens) and ``setting`` (the engine setting that sets it: ``max_len`` or
+    ``kv_cache_bytes``), ``need`` (the tokens the request needs there), ``most`` (the largest ``max_tokens`` that fits; None when the prompt alone
+    does not) and ``param`` (``max_tokens``, or ``prompt`` when the prompt alone does not fit).
+    :meth:`describe` words the message for a caller who spells ``max_tokens`` otherwise.
+    """
+
+    def __init__(self, message: str = "", *, prompt_tokens: int | None = None, max_tokens: int | None = None,
+                 limit: int | None = None, setting: str | None = None, need: int | None = None,
+                 most: int | None = None, param: str | None = None, pool_bytes: int | None = None):
+        self.prompt_tokens, self.max_tokens, self.limit, self.setting = prompt_tokens, max_tokens, limit, setting
+        self.need, self.most, self.pool_bytes = need, most, pool_bytes
+        if param is not None:
+            self.param = param
+        super().__init__(message or self.describe())
+
+    def describe(self, key: str = "max_tokens") -> str:
+        """The message, naming the caller's own key for ``max_tokens`` (a server's client may send
+        ``max_completion_tokens``)."""
+        if self.prompt_tokens is None:
+            return str(self.args[0]) if self.args else ""
+        n, limit, setting = self.prompt_tokens, self.limit, self.setting
+        what = (f"{self.need} > the engine's max_len {limit}" if setting == "max_len" else
+                f"their K/V need {self.need} tokens and the engine's whole K/V pool holds {limit} "
+                f"(kv_cache_bytes={self.pool_bytes})" if setting == "kv_cache_bytes" else f"{self.need} > {limit}")
+        head = f"the prompt has {n} tokens and {key} is {self.max_tokens}: {what}"
+        if self.most is None:
+            return (f"{head}, and the prompt alone leaves no room for one token: shorten the prompt to at most "
+                    f"{self.most_prompt} tokens or raise {setting}")
+        return f"{head}; shorten the prompt, lower {key} (to at most {self.most}) or raise {setting}"
+
+    @property
+    def most_prompt(self) -> int:
+        """The longest prompt that fits with one token to generate."""
+        return self.limit - 1 if self.setting == "max_len" else self.limit
 
 
 class TemplateError(InvalidRequestError):

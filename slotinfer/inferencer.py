@@ -117,9 +117,11 @@ class Inferencer:
     ``prefill_tokens`` bounds one prefill call (longer prompts arrive in chunks between
     decode steps); ``max_queue`` bounds how many requests may wait for a slot (0 =
     unbounded): past it, :meth:`submit` blocks or raises :class:`QueueFull`.
-    ``prefix_cache_bytes`` bounds the prefix cache, which keeps the K/V of prompts (and what
-    they generated) so that a request starting with the same tokens does not compute them
-    again (None: the device's default, :func:`slotinfer.device.prefix_cache_bytes`; 0: off).
+    ``prefix_cache_bytes`` caps the prefix cache: the K/V pool's blocks of earlier prompts (and
+    what they generated), kept so that a request starting with the same tokens shares them
+    instead of computing them again; it bounds those no request holds (they are evicted first
+    when the pool needs blocks) (None: the device's default,
+    :func:`slotinfer.device.prefix_cache_bytes`; 0: off).
     ``kv_dtype`` ("float16", "bfloat16", "float32"; None: the model's compute dtype) is the dtype
     K/V are kept in: "float16" halves their memory (docs/kv-cache.md measures its cost).
     ``kv_cache_bytes`` sizes the pool of K/V blocks every slot draws on (None: ``slots x max_len``
@@ -452,7 +454,9 @@ class Inferencer:
     # -- reporting --------------------------------------------------------------
 
     def memory(self) -> dict:
-        """Bytes held: the K/V slot table (fixed up front), the weights, and MLX's peak."""
+        """Bytes: the K/V pool's budget (``kv_cache_bytes``) and what its arrays hold now (they grow with
+        the blocks in use and are cut back when idle), its blocks, the prefix cache's, the weights,
+        and MLX's peak (:meth:`slotinfer.engine.Engine.memory`)."""
         return self.engine.memory()
 
     def stats(self) -> dict:

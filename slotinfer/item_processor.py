@@ -3,8 +3,9 @@
 It owns every request's record (:class:`Item`), the one FIFO of waiting items (the
 Inferencer only hands requests over to it, between threads) and the free-slot list.
 Each step it takes the tokens the device produced, appends them, streams text,
-finishes items (EOS / stop token / stop string / max_tokens / cancellation), frees
-their slots and admits waiting items into them.
+finishes items (EOS / stop token / stop string / max_tokens / cancellation) and frees
+their slots; the :class:`~slotinfer.scheduler.Scheduler` decides which waiting items
+take them, and which running one gives its blocks back when the pool runs short.
 
 An item's :class:`State` changes only through :meth:`ItemProcessor.move`, along
 :data:`TRANSITIONS`: waiting -> prefilling -> decoding -> finished, and cancelled or
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .errors import EngineError
 from .handle import Handle, StreamEvent
-from .stops import find_stop
+from .stops import after_token, final_text, longest
 from .sampling import SamplingParams
 from .slots import SlotTable
 from .types import Completion
@@ -67,7 +68,7 @@ class Item:
     detok: object
     top_logprobs: int = -1  # -1: none; 0: the chosen token's; n: also the top n
     on_token: object = None
-    held: bool = False  # given to the ItemProcessor (ItemProcessor.add)
+    queued: bool = False  # given to the ItemProcessor (ItemProcessor.add)
     slot: int = -1
     prefilled: int = 0  # tokens of ``feed`` whose K/V its slot holds
     feed: list[int] = None  # what its slot prefills: the prompt, and after a preemption also the tokens generated
@@ -99,7 +100,7 @@ class Item:
         return len(self.prompt) + self.max_tokens - 1
 
     @property
-    def admission(self) -> int:
+    def admission_tokens(self) -> int:
         """Tokens its slot holds from admission on: what it prefills, and the first decode step's write."""
         return min(len(self.feed) + 1, self.reserved)
 
@@ -124,7 +125,6 @@ class ItemProcessor:
         # Cancellations arrive here (from any thread) instead of being found by scanning every
         # waiting item each step, which would cost a step O(queue) in an offline job of millions.
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
-        self.on_release = None  # called with an item whose slot is about to be freed (its K/V still there)
 
     @property
     def busy(self) -> bool:
@@ -153,58 +153,43 @@ class ItemProcessor:
         """Every item the engine holds that has not ended: waiting, then those in slots."""
         return [*self.waiting, *filter(None, self.by_slot)]
 
-    def room(self) -> int:
-        """Items the engine could admit now (free slots not already promised to waiting items); negative:
-        the backlog.  While the first waiting item waits for K/V blocks, every waiting item is backlog."""
-        if self.waiting and self.free and not self.table.can_admit(self.waiting[0].admission):
-            return -len(self.waiting)
-        return len(self.free) - len(self.waiting)
-
     def watch(self, item: Item):
         """Hear of ``item``'s cancellation, from any thread, from the moment it is made."""
         item.handle._on_cancel = functools.partial(self.cancelled.put, item)
 
     def add(self, item: Item):
-        item.held = True
+        item.queued = True
         self.waiting.append(item)
         if item.handle.cancel_requested:  # cancelled before it got here
             self.cancelled.put(item)
 
-    def admit(self) -> list[Item]:
-        """Move waiting items (FIFO) into free slots while the pool's free blocks hold what they
-        prefill (:attr:`Item.admission`; later blocks are taken as decoding reaches them); returns
-        the newly admitted.  The first waiting item that does not fit waits, and those behind it
-        with it: a long request is never overtaken for ever by short ones."""
-        admitted = []
-        while self.free and self.waiting:
-            item = self.waiting[0]
-            if item.handle.cancel_requested:
-                self.waiting.popleft()
-                self.finish(item, "cancelled")
-                continue
-            if not self.table.can_admit(item.admission):
-                break
-            self.waiting.popleft()
-            item.slot = self.free.pop(0)
-            self.move(item, State.PREFILLING)
-            item.t_admit = time.perf_counter()
-            self.by_slot[item.slot] = item
-            self.table.admit(item.slot, item.admission)
-            admitted.append(item)
-        return admitted
+    def place(self, item: Item) -> int:
+        """``item`` (taken off the queue) goes into the first free slot: prefilling from now on.
+        Returns the slot."""
+        item.slot = self.free.pop(0)
+        self.move(item, State.PREFILLING)
+        item.t_admit = time.perf_counter()
+        self.by_slot[item.slot] = item
+        return item.slot
 
     def preempt(self, item: Item):
         """Take ``item`` out of its slot and put it first in the FIFO: its blocks go back to the pool,
         and when it is admitted again its slot recomputes the K/V of its prompt and of the tokens it
         has (its ``feed``), then goes on decoding.  Nothing it streamed is sent again."""
-        if self.on_release is not None:
-            self.on_release(item)  # what it held enters the prefix cache: its recompute may start from there
+        self._keep(item)  # what it held stays cached: its recompute may start from there
         self._free_slot(item)
         item.slot, item.prefilled = -1, 0
         item.feed = item.prompt + item.tokens
         item.issued = len(item.tokens)
         self.move(item, State.WAITING)
         self.waiting.appendleft(item)
+
+    def _keep(self, item: Item):
+        """``item`` leaves its slot: its prompt and what it generated stay in the prefix cache, as far
+        as the slot holds their K/V (a generated token's is written by the step that reads it)."""
+        written = min(int(self.table.lengths[item.slot]), len(item.prompt) + len(item.tokens))
+        if self.table.caching and written >= self.table.block_size:
+            self.table.register(item.slot, (item.prompt + item.tokens)[:written], item.salt)
 
     def _free_slot(self, item: Item):
         self.by_slot[item.slot] = None
@@ -213,13 +198,13 @@ class ItemProcessor:
         self.free.sort()
 
     def reap_cancelled(self):
-        """End the cancelled items held (a no-op for one that ended meanwhile).
+        """End the cancelled items queued (a no-op for one that ended meanwhile).
 
         One cancelled before :meth:`add` is passed over: :meth:`add` hears of it again.
         """
         while not self.cancelled.empty():
             item = self.cancelled.get()
-            if item.held:
+            if item.queued:
                 self.finish(item, "cancelled")
 
     def accept(self, item: Item, token: int, logprob=None, top=None) -> bool:
@@ -233,28 +218,17 @@ class ItemProcessor:
             item.logprobs.append(logprob)
         if top is not None:
             item.top.append(top[: item.top_logprobs])  # the step computed at least as many as any row asked for
-        if token in item.enders:
-            if item.constraint is not None:
-                item.constraint.end()  # "stop" only where the output satisfies the constraint
-            return self._emit_and_finish(item, token, "stop")
-        item.text += item.detok.add(token)
-        if item.constraint is not None and item.constraint.advance(token):
-            return self._emit_and_finish(item, token, "stop")  # the output is complete
-        if item.stops and find_stop(item.text[max(0, item.emitted - _longest(item.stops)):], item.stops) is not None:
-            return self._emit_and_finish(item, token, "stop")
-        if len(item.tokens) >= item.max_tokens:
-            return self._emit_and_finish(item, token, "length")
-        hold = _longest(item.stops) - 1 if item.stops else 0  # text that may still become a stop string
+        item.text, reason = after_token(token, item.text, detok=item.detok, enders=item.enders,
+                                        constraint=item.constraint, stops=item.stops,
+                                        checked=max(0, item.emitted - longest(item.stops)), count=len(item.tokens),
+                                        max_tokens=item.max_tokens)
+        if reason is not None:
+            item.text, reason = final_text(item.text, reason, detok=item.detok, stops=item.stops)
+            if self._emit(item, token, len(item.text)):
+                self.finish(item, reason)
+            return True
+        hold = longest(item.stops) - 1 if item.stops else 0  # text that may still become a stop string
         return not self._emit(item, token, len(item.text) - hold)
-
-    def _emit_and_finish(self, item, token, reason) -> bool:
-        item.text += item.detok.flush()
-        cut = find_stop(item.text, item.stops) if item.stops else None
-        if cut is not None:
-            item.text, reason = item.text[:cut], "stop"
-        if self._emit(item, token, len(item.text)):
-            self.finish(item, reason)
-        return True
 
     def _emit(self, item, token, upto) -> bool:
         """Stream text up to ``upto``; False (and the item failed) if the consumer raised."""
@@ -280,14 +254,14 @@ class ItemProcessor:
         """End ``item`` exactly once and free its slot."""
         if item.state.ended:
             return
-        if item.state is State.WAITING and item.held:  # one never added is in no queue: nothing to search
+        if item.state is State.WAITING and item.queued:  # one never added is in no queue: nothing to search
             try:
                 self.waiting.remove(item)
             except ValueError:
                 pass  # admit() took it off the queue and found it cancelled
         if item.slot >= 0 and self.by_slot[item.slot] is item:
-            if self.on_release is not None and error is None and reason != "error":
-                self.on_release(item)
+            if error is None and reason != "error":
+                self._keep(item)
             self._free_slot(item)
         self.move(item, State.FAILED if error is not None or reason == "error" else
                   State.CANCELLED if reason == "cancelled" else State.FINISHED)
@@ -320,7 +294,3 @@ def owned_by_request(e: BaseException) -> bool:
     which must stop the program, not one request.  Signals never reach the worker thread.
     """
     return not (isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread())
-
-
-def _longest(stops) -> int:
-    return max(len(s) for s in stops)

@@ -14,9 +14,9 @@ from .errors import InvalidRequestError, PromptTooLongError
 from .kv import KV_BLOCK_SIZE, PagedSequenceCache
 from .models import ModelConfig, Transformer
 from .models.transformer import layer_by_layer
-from .sampling import SamplingParams, adjust, penalize, sample
-from .stops import find_stop
-from .structured import apply_mask, words
+from .sampling import SamplingParams, select
+from .stops import after_token, final_text
+from .structured import words
 from .types import Completion
 
 
@@ -192,37 +192,25 @@ class Model:
         if c["logit_bias"]:
             bias[0, mx.array(list(c["logit_bias"]))] = mx.array(list(c["logit_bias"].values()), dtype=mx.float32)
         row = lambda v, dt=mx.float32: mx.array([v], dtype=dt)  # noqa: E731
+        penalized = params.repetition_penalty != 1.0
         p = dict(temperature=row(params.temperature), top_k=row(params.top_k, mx.int32), top_p=row(params.top_p),
-                 min_p=row(params.min_p), seeds=row(seed, mx.uint32))
+                 min_p=row(params.min_p), seeds=row(seed, mx.uint32), penalty=row(params.repetition_penalty),
+                 bias=bias, presence=row(c["presence_penalty"]), frequency=row(c["frequency_penalty"]))
         mask = np.full((1, words(vocab)), -1, dtype=np.int32)
         detok = self.tokenizer.detokenizer(skip_special_tokens=c["skip_special_tokens"])
-        out, text, reason = [], "", "length"
-        for step in range(budget):
-            logits = self.net.head(h[:, -1, :])
-            if params.repetition_penalty != 1.0:
-                logits = penalize(logits, seen, row(params.repetition_penalty))
-            logits = adjust(logits, bias, counts, row(c["presence_penalty"]), row(c["frequency_penalty"]))
+        out, text, reason = [], "", None
+        while reason is None:
             if constraint is not None:
                 constraint.fill(mask, 0)
-                logits = apply_mask(logits, mx.array(mask))
-            tok = sample(logits, steps=row(step, mx.uint32), **p).item()
+            tok = select(self.net.head(h[:, -1, :]), steps=row(len(out), mx.uint32), seen=seen if penalized else None,
+                         counts=counts, mask=mx.array(mask) if constraint is not None else None, **p)[0].item()
             out.append(tok)
-            if tok in enders:
-                reason = "stop"
-                break
-            text += detok.add(tok)
-            if constraint is not None and constraint.advance(tok):
-                reason = "stop"
-                break
-            if find_stop(text, stops) is not None:
-                break
-            if step + 1 < budget:
+            text, reason = after_token(tok, text, detok=detok, enders=enders, constraint=constraint, stops=stops,
+                                       checked=0, count=len(out), max_tokens=budget)
+            if reason is None:
                 seen[0, tok] = True
                 counts[0, tok] += 1
                 h = self.net(mx.array([[tok]]), cache)
                 cache.advance(1)
-        text += detok.flush()
-        cut = find_stop(text, stops)
-        if cut is not None:
-            text, reason = text[:cut], "stop"
+        text, reason = final_text(text, reason, detok=detok, stops=stops)
         return Completion(out, text, reason, prompt_tokens=len(ids), seed=seed)

@@ -25,9 +25,10 @@ prompts = st.builds(lambda base, n, own: base[:n] + own, st.sampled_from([[0, 1,
 
 
 class PoolMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(RESERVED + 1, 16), bs=st.integers(1, 4), width=st.integers(1, 6))
-    def make(self, num_blocks, bs, width):
-        self.pool = BlockPool(num_blocks, bs, slots=SLOTS, max_blocks=width)
+    @initialize(num_blocks=st.integers(RESERVED + 1, 16), bs=st.integers(1, 4), width=st.integers(1, 6),
+                cap=st.sampled_from([None, 0, 1, 3]))
+    def make(self, num_blocks, bs, width, cap):
+        self.pool = BlockPool(num_blocks, bs, slots=SLOTS, max_blocks=width, cache_blocks=cap)
         self.bs = bs
         self.tokens = {}  # slot -> (its tokens, salt)
         self.content = {}  # block -> the tokens its last writer put in it
@@ -36,6 +37,8 @@ class PoolMachine(RuleBasedStateMachine):
         """The slot wrote its tokens from position ``start`` on: only into blocks it alone holds."""
         toks = self.tokens[slot][0]
         p = self.pool
+        positions = np.arange(start, len(toks))
+        p.locate(np.full(len(positions), slot), positions)  # the engine's one way to a write: it must agree
         for j in range(start // self.bs, p.blocks_for(len(toks))):
             b = int(p.tables[slot, j])
             assert p.ref[b] == 1, f"slot {slot} writes into block {b}, held {p.ref[b]} times"
@@ -106,6 +109,27 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.release_slot(slot)
         del self.tokens[slot]
 
+    @rule()
+    def compact(self):
+        """No slot holds a block: the cached ones move to the lowest ids and still hit."""
+        if self.tokens:
+            return
+        old = self.pool.compact()
+        self.content = {RESERVED + i: self.content[b] for i, b in enumerate(old)}
+        assert sorted(self.pool.meta) == list(range(RESERVED, RESERVED + len(old)))
+        event("compacted")
+
+    @invariant()
+    def the_cache_is_the_free_queues_tail_within_its_cap(self):
+        if not hasattr(self, "pool"):
+            return
+        p = self.pool
+        assert len(p.cached) <= p.cache_blocks and set(p.cached) <= set(p.meta)
+        assert all(p.ref[b] == 0 for b in p.cached) and all(p.ref[b] > 0 for b in set(p.meta) - set(p.cached))
+        if p.cached:
+            assert list(p.free)[-len(p.cached):] == list(p.cached)
+        assert {p.by_hash[m[0]] for m in p.meta.values()} == set(p.meta)
+
     @invariant()
     def refcounts_match_tables(self):
         if not hasattr(self, "pool"):
@@ -171,6 +195,34 @@ def test_locate_writes_through_the_table():
     assert blocks.tolist() == [pool.tables[1, 0], pool.tables[1, 2], TRASH] and offsets.tolist() == [0, 0, 0]
     with pytest.raises(InvalidRequestError, match="grow the slot first"):
         pool.locate(np.array([1]), np.array([12]))
+
+
+def test_a_write_into_a_shared_block_is_refused():
+    pool = BlockPool(10, 2, slots=2, max_blocks=3)
+    pool.grow(0, 3)
+    pool.register(int(pool.tables[0, 0]), None, (1, 2))
+    pool.share(1, pool.lookup([1, 2, 3]))
+    pool.grow(1, 3)
+    with pytest.raises(InvalidRequestError, match="share"):
+        pool.locate(np.array([1]), np.array([1]))
+    assert pool.locate(np.array([1]), np.array([2]))[0].tolist() == [pool.tables[1, 1]]
+
+
+def test_the_cap_keeps_the_most_recently_released_and_zero_turns_the_cache_off():
+    pool = BlockPool(12, 1, slots=2, max_blocks=4, cache_blocks=2)
+    for slot, toks in ((0, (1, 2, 3)), (1, (4, 5, 6))):
+        pool.grow(slot, 3)
+        parent = None
+        for j, t in enumerate(toks):
+            parent = pool.register(int(pool.tables[slot, j]), parent, (t,))
+    pool.release_slot(0)
+    assert len(pool.lookup([1, 2, 3, 9])) == 2 and len(pool.cached) == 2  # its tail went first: the head stays
+    pool.release_slot(1)
+    assert len(pool.cached) == 2 and len(pool.lookup([4, 5, 6, 9])) == 2 and pool.counters["evicted"] == 4
+    off = BlockPool(6, 1, slots=1, max_blocks=2, cache_blocks=0)
+    off.grow(0, 1)
+    off.register(int(off.tables[0, 0]), None, (1,))
+    assert not off.meta and off.lookup([1, 2]) == []
 
 
 def test_budget_to_blocks():

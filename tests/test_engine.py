@@ -130,7 +130,12 @@ def test_max_len_is_validated_at_submit(models):
         with pytest.raises(PromptTooLongError, match="max_len") as e:
             inf.submit(PROMPTS[1], max_tokens=4)
         n = len(m.encode_prompt(PROMPTS[1]))
-        assert f"max_tokens is 4: {n + 4} > the engine's max_len 16" in str(e.value) and e.value.param == "max_tokens"
+        assert f"max_tokens is 4: {n + 4} > the engine's max_len 16" in str(e.value)
+        assert n >= 16 and e.value.param == "prompt" and "shorten the prompt to at most 15 tokens" in str(e.value)
+        assert (e.value.prompt_tokens, e.value.max_tokens, e.value.limit, e.value.most) == (n, 4, 16, None)
+        with pytest.raises(PromptTooLongError, match=r"lower max_tokens \(to at most 12\)") as e:
+            inf.submit([5, 6, 7, 8], max_tokens=20)
+        assert e.value.param == "max_tokens" and (e.value.need, e.value.setting) == (24, "max_len")
         with pytest.raises(PromptTooLongError, match="max_tokens is 1000000: ") as e:  # the figure asked for, not a clamp
             inf.submit("hi", max_tokens=1_000_000)
         with pytest.raises(InvalidRequestError, match="max_tokens"):
@@ -254,8 +259,8 @@ def test_stats_and_memory_are_reported(models):
     c = m.config
     # the default pool: 4 slots of one 128-token block each (max_len 64), and the two reserved blocks
     block = 2 * c.num_layers * c.num_kv_heads * 128 * c.head_dim * 4
-    assert mem["kv_cache_budget_bytes"] == (4 + 2) * block and mem["block_bytes"] == block
-    assert mem["block_tokens"] == 128 and mem["kv_cache_bytes"] == mem["blocks_allocated"] * block
+    assert mem["kv_cache_bytes"] == (4 + 2) * block and mem["block_bytes"] == block
+    assert mem["block_tokens"] == 128 and mem["kv_allocated_bytes"] == mem["blocks_allocated"] * block
     assert mem["blocks"] == 4 and s["blocks"] == 4 and s["blocks_used"] == 0 and s["blocks_free"] == 4
 
 
@@ -290,8 +295,8 @@ def test_kv_cache_is_written_in_place_while_steps_overlap(model_dir):
         eng.add(eng.make_item(PROMPTS[i % 4], max_tokens=2000, ignore_eos=True))
     for _ in range(4):
         eng.step()
-    eng.table.hold(range(16), [2000] * 16)  # blocks taken ahead: the arrays are large beside a step's work
-    eng.table.fit()
+    eng.table.grow(range(16), [2000] * 16)  # blocks taken ahead: the arrays are large beside a step's work
+    eng.table.cover()
     mx.eval(eng.tokens)
     base = mx.get_active_memory()
     mx.reset_peak_memory()
@@ -318,7 +323,7 @@ def test_memory_does_not_grow_over_batches(models, max_tokens):
         eng.run_until_done()
         mx.eval(eng.tokens)
         active.append(mx.get_active_memory())
-    assert max(active[1:]) - active[0] < eng.table.nbytes / 8
+    assert max(active[1:]) - active[0] < eng.table.allocated_bytes / 8
 
 
 def test_engine_rejects_bad_construction(models):

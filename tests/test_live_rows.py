@@ -85,7 +85,7 @@ except slotinfer.OutOfMemoryError as e:
     print("refused:", e)
 inf = slotinfer.Inferencer(m, slots=64, max_len=200_000)
 print("served:", len(inf.generate("hi", max_tokens=3, ignore_eos=True).tokens))
-print("pool under 3 GiB:", inf.engine.memory()["kv_cache_budget_bytes"] < 3 << 30)
+print("pool under 3 GiB:", inf.engine.memory()["kv_cache_bytes"] < 3 << 30)
 inf.close()
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -68,6 +68,24 @@ def test_requests_preempted_when_blocks_run_out_resume_with_their_solo_output(mo
     assert pool.num_used == 0 and not pool.tables.any() and engine.items.free == [0, 1, 2, 3]
 
 
+def test_a_preempted_request_resumes_from_its_cached_blocks(models):
+    """The newest request, preempted past its first full block, leaves that block cached in the pool;
+    nothing evicts it while the oldest finishes (the oldest grows into the preempted one's other
+    block), so its recompute shares it and prefills only the rest, with the tokens of a solo run."""
+    m = models["llama"]
+    engine = _engine(m, blocks=3, slots=2, prefix_cache_bytes=1 << 22)
+    first = engine.make_item(_prompt(0, 10), max_tokens=200, ignore_eos=True)
+    newest = engine.make_item(_prompt(1, 130), max_tokens=200, ignore_eos=True)
+    for it in (first, newest):
+        engine.add(it)
+    engine.run_until_done()
+    assert engine.counters["preempted"] >= 1
+    assert engine.table.pool.counters["hit_blocks"] >= 1  # the resumed feed started from its own first block
+    for it, (i, n) in ((first, (0, 10)), (newest, (1, 130))):
+        assert it.handle.result(0).tokens == m.generate(_prompt(i, n), max_tokens=200, ignore_eos=True).tokens
+    assert newest.handle.result(0).cached_tokens == 0  # the usage reports its first admission's hit
+
+
 def test_the_oldest_request_keeps_its_slot_and_the_newest_is_preempted(models):
     """Blocks run short: the request submitted last goes back to the front of the FIFO (before the
     ones that never started), and the first one runs on."""

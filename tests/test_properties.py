@@ -163,9 +163,15 @@ def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, f
             if arrival == step:
                 need = -(-(len(ids) + n - 1) // KV_BLOCK_SIZE)
                 if need > blocks:
-                    with pytest.raises(PromptTooLongError, match="max_tokens") as e:
+                    with pytest.raises(PromptTooLongError, match="kv_cache_bytes") as e:
                         engine.make_item(ids, max_tokens=n, ignore_eos=True)
-                    assert e.value.param == "max_tokens" and "kv_cache_bytes" in str(e.value)
+                    room = blocks * KV_BLOCK_SIZE  # the prompt alone fits when one token more does
+                    err = e.value
+                    assert (err.prompt_tokens, err.max_tokens, err.limit, err.setting) == (len(ids), n, room,
+                                                                                          "kv_cache_bytes")
+                    assert (err.param, err.most) == (("max_tokens", room + 1 - len(ids)) if len(ids) <= room else
+                                                     ("prompt", None))
+                    assert "at most 0" not in str(err) and "at most -" not in str(err)
                     refused.add(i)
                     continue
                 item = engine.make_item(ids, max_tokens=n, ignore_eos=True, **sampling)

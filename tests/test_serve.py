@@ -333,6 +333,20 @@ def test_max_tokens_past_the_slot_quotes_the_clients_figure(client):
     assert "1000000" in err["message"] and "1000003" in err["message"] and "253" in err["message"], err
 
 
+def test_the_engines_refusal_names_the_clients_key(client):
+    """The engine's one rule, worded with the key the client sent, and the prompt named when it alone
+    leaves no room."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=MSGS, max_completion_tokens=1_000_000)
+    err = e.value.body
+    assert err["param"] == "max_completion_tokens" and "lower max_completion_tokens (to at most" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi " * 400}], max_tokens=4)
+    err = e.value.body
+    assert err["param"] == "messages" and "shorten the prompt to at most 255 tokens" in err["message"], err
+    assert "at most 0" not in err["message"]
+
+
 @pytest.mark.parametrize("path, body, field, hint", [
     ("/v1/completions", {"prompt": "hi", "max_tokns": 3}, "max_tokns", "max_tokens"),
     ("/v1/chat/completions", {"messages": MSGS, "temprature": 0}, "temprature", "temperature"),
@@ -381,7 +395,7 @@ def test_cached_tokens_are_reported_and_exported(client, server, model):
                                            max_tokens=3, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     hit = again.usage.prompt_tokens_details.cached_tokens
-    assert hit >= 32 and hit % 32 == 0 and hit < again.usage.prompt_tokens
+    assert hit >= 128 and hit % 128 == 0 and hit < again.usage.prompt_tokens
     chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= hit

@@ -28,6 +28,20 @@ def _table(slots, kv_heads, max_len, head_dim, block_size, blocks):
                      block_size=block_size)
 
 
+def _read(t, slot, start, stop):
+    """Copies of ``slot``'s K/V at positions ``start:stop``, ``[layers, kv_heads, n, head_dim]`` each."""
+    return (mx.stack([t.gather(k, [slot], stop)[0, :, start:] for k in t.keys]),
+            mx.stack([t.gather(v, [slot], stop)[0, :, start:] for v in t.values]))
+
+
+def _write(t, slot, keys, values):
+    """Put ``keys`` and ``values`` (``[layers, kv_heads, n, head_dim]``) at ``slot``'s positions 0..n-1."""
+    index = t.index([slot], np.arange(keys.shape[2])[None])
+    for layer in range(len(t.keys)):
+        t.keys[layer] = scatter(t.keys[layer], index, keys[layer][None])
+        t.values[layer] = scatter(t.values[layer], index, values[layer][None])
+
+
 @st.composite
 def writes(draw):
     slots, heads = draw(st.integers(1, 5)), draw(st.integers(1, 3))
@@ -53,7 +67,7 @@ def test_writes_land_at_the_named_positions_of_each_slot(case, compiled, seed):
     rng = np.random.default_rng(seed)
     before = {s: rng.standard_normal((heads, lengths[s], dim)).astype(np.float32) for s in range(slots)}
     for s in range(slots):
-        t.write(s, mx.array(before[s])[None], mx.array(before[s])[None])
+        _write(t, s, mx.array(before[s])[None], mx.array(before[s])[None])
     new = rng.standard_normal((len(rows), heads, len(pos[0]), dim)).astype(np.float32)
 
     def write(cache, index, new_):
@@ -68,8 +82,8 @@ def test_writes_land_at_the_named_positions_of_each_slot(case, compiled, seed):
             for j, p in enumerate(pos[i]):
                 if p >= 0:
                     want[:, p] = new[i, :, j]
-        np.testing.assert_array_equal(np.asarray(t.read(s, 0, lengths[s])[0][0]), want)
-        np.testing.assert_array_equal(np.asarray(t.read(s, 0, lengths[s])[1][0]), before[s])  # values untouched
+        np.testing.assert_array_equal(np.asarray(_read(t, s, 0, lengths[s])[0][0]), want)
+        np.testing.assert_array_equal(np.asarray(_read(t, s, 0, lengths[s])[1][0]), before[s])  # values untouched
     if any(p < 0 for ps in pos for p in ps):
         assert np.any(np.asarray(t.keys[0][TRASH]) != 0)  # padding went to TRASH
     assert not np.any(np.asarray(t.keys[0][0]))  # ZERO is never written
@@ -103,15 +117,15 @@ def test_offsets_widen_to_int64_only_past_int32():
 
 def test_the_arrays_grow_with_the_blocks_in_use_up_to_the_budget_keep_what_they_hold_and_shrink_when_idle():
     t = _table(4, 1, 8, 2, 4, 2 + 8)  # 8 usable blocks of 4 tokens; a slot holds 2
-    assert t.keys[0].shape[0] == 2 + 2 and t.stats()["kv_cache_budget_bytes"] == 10 * t.block_nbytes
+    assert t.keys[0].shape[0] == 2 + 2 and t.budget_bytes == 10 * t.block_nbytes
     t.admit(0, 8)
-    t.write(0, mx.ones((1, 1, 8, 2)), mx.ones((1, 1, 8, 2)))
+    _write(t, 0, mx.ones((1, 1, 8, 2)), mx.ones((1, 1, 8, 2)))
     for s in (1, 2, 3):
         t.admit(s, 8)
     assert t.keys[0].shape[0] == 4  # blocks taken; the arrays grow when a write needs them
-    t.fit()
-    assert t.keys[0].shape[0] == 10 and t.nbytes == 10 * t.block_nbytes
-    np.testing.assert_array_equal(np.asarray(t.read(0, 0, 8)[0]), np.ones((1, 1, 8, 2)))
+    t.cover()
+    assert t.keys[0].shape[0] == 10 and t.allocated_bytes == 10 * t.block_nbytes
+    np.testing.assert_array_equal(np.asarray(_read(t, 0, 0, 8)[0]), np.ones((1, 1, 8, 2)))
     assert not np.any(np.asarray(t.keys[0][0]))  # ZERO stays zero
     for s in (3, 2, 1):
         t.release(s)
@@ -124,8 +138,8 @@ def test_the_arrays_grow_by_a_quarter_at_least_so_a_run_of_growth_copies_them_a_
     t = _table(40, 1, 8, 2, 4, 2 + 80)
     sizes = [t.keys[0].shape[0]]
     for s in range(40):
-        t.hold([s], [8])
-        t.fit()
+        t.grow([s], [8])
+        t.cover()
         sizes.append(t.keys[0].shape[0])
     grown = [(a, b) for a, b in zip(sizes, sizes[1:]) if b != a]
     assert sizes[-1] == 82 and all(b >= min(82, a + a // 4) for a, b in grown)  # never past the budget

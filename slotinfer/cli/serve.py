@@ -40,8 +40,8 @@ def add_parser(sub):
                         "tokens take, at most a quarter of the memory); a request waits until its prompt and "
                         "max_tokens fit")
     p.add_argument("--prefix-cache-bytes", type=byte_size, default=None, metavar="SIZE",
-                   help="the prefix cache's budget, e.g. 1GiB (default: an eighth of the memory, at most 4 GiB; "
-                        "docs/prefix-cache.md)")
+                   help="the most K/V the prefix cache keeps in the pool while no request holds it, e.g. 1GiB "
+                        "(default: an eighth of the memory, at most 4 GiB; docs/prefix-cache.md)")
     p.add_argument("--no-prefix-cache", action="store_true", help="keep no K/V across requests")
     p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="the dtype K/V are kept in (default: the model's compute dtype); float16 halves their memory")
@@ -118,7 +118,7 @@ def run(args) -> int:
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"slotinfer serve: {app.state.slotinfer.name} running on http://{host}:{sock.getsockname()[1]} "
               f"({args.slots} slots of up to {args.max_len} tokens, K/V pool "
-              f"{inf.engine.memory()['kv_cache_budget_bytes'] / 2**30:.2f} GiB, max queue {args.max_queue or 'unbounded'}, "
+              f"{inf.engine.memory()['kv_cache_bytes'] / 2**30:.2f} GiB, max queue {args.max_queue or 'unbounded'}, "
               f"API key {'required' if args.api_key else 'not required'})", file=sys.stderr, flush=True)
         # uvicorn re-raises the signal that stopped it once it has shut down; a handler that
         # ignores it lets a requested shutdown end as a success (exit 0) instead of a kill.

@@ -13,11 +13,13 @@ Host-side bookkeeping only (numpy and dicts; the K/V arrays themselves are per l
   takes from its front; a released block without a hash goes to the front (nothing to keep),
   one with a hash to the back (a cached prefix, kept as long as nothing needs its memory).
   A table releases its last block first, so a prefix's tail is evicted before its head.
-- A full block can be registered under the chained hash of its prefix
-  (:func:`~slotinfer.kv.prefix_cache.chain_hash`, the prefix cache's key); :meth:`lookup`
-  finds the longest registered chain that starts a prompt, each block checked against its own
-  tokens, parent and salt, so a hash collision never serves another prompt's K/V.  A registered
-  block that is allocated again loses its hash.
+- The pool is the prefix cache.  A full block can be registered under the chained hash of its
+  prefix (:func:`chain_hash`); :meth:`lookup` finds the longest registered chain that starts a
+  prompt, each block checked against its own tokens, parent and salt, so a hash collision never
+  serves another prompt's K/V, and :meth:`share` puts the blocks found into a slot's table by
+  reference.  A registered block nobody holds is free capacity: it waits at the back of the free
+  queue (least recently released first) until an allocation takes it and it loses its hash.
+  ``cache_blocks`` caps how many such blocks are kept (0: nothing is registered, no cache).
 
     >>> pool = BlockPool(num_blocks=10, block_size=4, slots=2, max_blocks=4)
     >>> pool.grow(0, 6)                     # slot 0 holds 6 tokens: 2 blocks
@@ -35,7 +37,6 @@ from collections import OrderedDict
 import numpy as np
 
 from ..errors import InvalidRequestError, OutOfMemoryError
-from .prefix_cache import chain_hash
 
 ZERO, TRASH = 0, 1  # reserved ids: the table padding (never written) and the sink of padding writes
 RESERVED = 2
@@ -43,6 +44,13 @@ RESERVED = 2
 # blocks through paged_attend, which sums P.V block by block, so both must cut at the same place.
 # 128: the smallest size whose paged decode attention holds today's speed (docs/kv-cache.md).
 KV_BLOCK_SIZE = 128
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
+    """The key of a block of ``tokens`` after the block keyed ``parent`` (None: the first block):
+    one key names a whole prefix.  A match must still be checked against the block's own tokens,
+    parent and salt (:meth:`BlockPool.lookup` does)."""
+    return hash((parent, tokens, salt))
 
 
 def block_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype, block_size: int) -> int:
@@ -74,7 +82,10 @@ class BlockPool:
     row is ``ZERO``.  A slot of ``n`` tokens holds exactly ``ceil(n / block_size)`` blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, slots: int, max_blocks: int):
+    chain = staticmethod(chain_hash)
+
+    def __init__(self, num_blocks: int, block_size: int, *, slots: int, max_blocks: int,
+                 cache_blocks: int | None = None):
         if num_blocks <= RESERVED:
             raise InvalidRequestError(f"a block pool needs more than {RESERVED} blocks ({RESERVED} are reserved), "
                                       f"got num_blocks={num_blocks}")
@@ -88,7 +99,9 @@ class BlockPool:
         self.held = np.zeros(slots, dtype=np.int32)
         self.by_hash: dict[int, int] = {}  # chain hash -> block id
         self.meta: dict[int, tuple] = {}  # block id -> (hash, parent hash, tokens, salt) of a registered block
-        self.counters = dict(allocated=0, evicted=0, registered=0, queries=0, hit_blocks=0)
+        self.cache_blocks = num_blocks if cache_blocks is None else max(0, int(cache_blocks))
+        self.cached: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, least recent first
+        self.counters = dict(allocated=0, evicted=0, registered=0, queries=0, hits=0, query_tokens=0, hit_blocks=0)
 
     # -- the free queue ------------------------------------------------------------------------
 
@@ -118,16 +131,22 @@ class BlockPool:
         out = [self.free.popitem(last=False)[0] for _ in range(n)]
         for b in out:
             if b in self.meta:  # a cached block reused for other tokens: its hash no longer names it
-                del self.by_hash[self.meta.pop(b)[0]]
-                self.counters["evicted"] += 1
+                self._forget(b)
         self.ref[out] = 1
         self.counters["allocated"] += n
         return out
+
+    def _forget(self, b: int):
+        """``b`` is no longer a cached prefix block (evicted)."""
+        del self.by_hash[self.meta.pop(b)[0]]
+        self.cached.pop(b, None)
+        self.counters["evicted"] += 1
 
     def _acquire(self, blocks):
         for b in blocks:
             if self.ref[b] == 0:
                 del self.free[b]
+                self.cached.pop(b, None)
             self.ref[b] += 1
 
     def _release(self, blocks):
@@ -136,8 +155,14 @@ class BlockPool:
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None  # registered: the back, kept while memory allows
-                if b not in self.meta:
+                if b in self.meta:
+                    self.cached[b] = None
+                else:
                     self.free.move_to_end(b, last=False)  # nothing worth keeping: reused first
+        while len(self.cached) > self.cache_blocks:  # past the cap: the least recently released go
+            b = next(iter(self.cached))
+            self._forget(b)
+            self.free.move_to_end(b, last=False)
 
     # -- per-slot block tables -----------------------------------------------------------------
 
@@ -191,7 +216,8 @@ class BlockPool:
     def locate(self, slots, positions):
         """Where tokens are written: ``(blocks, offsets)`` for ``slots`` [n] and ``positions``
         [n] or [n, L] (numpy).  A negative position (a padding token, an idle row) goes to TRASH;
-        a position past the blocks a slot holds raises, as it would write memory nobody owns."""
+        a position past the blocks a slot holds raises, as it would write memory nobody owns, and so
+        does one in a block another table shares."""
         slots, positions = np.asarray(slots), np.asarray(positions)
         rows = slots if positions.ndim == 1 else slots[:, None]
         pad = positions < 0
@@ -199,6 +225,9 @@ class BlockPool:
         if np.any(~pad & (col >= self.held[rows])):
             raise InvalidRequestError("a write past the blocks a slot holds: grow the slot first")
         blocks = np.where(pad, TRASH, self.tables[rows, np.minimum(col, self.tables.shape[1] - 1)])
+        if np.any(self.ref[blocks] > 1):  # a shared block holds a cached prefix: it is never written
+            raise InvalidRequestError("a write into a block that several slots share: a row writes only past its "
+                                      "shared prefix")
         return blocks.astype(np.int32), np.where(pad, 0, positions % self.block_size).astype(np.int32)
 
     # -- cached prefixes -------------------------------------------------------------------------
@@ -211,18 +240,22 @@ class BlockPool:
         if len(tokens) != self.block_size or self.ref[block] < 1:
             raise InvalidRequestError(f"block {block}: only a held, full block of {self.block_size} tokens can be "
                                       f"registered (got {len(tokens)} tokens, {self.ref[block]} references)")
-        key = chain_hash(parent, tokens, salt)
+        key = self.chain(parent, tokens, salt)
         if block in self.meta:
             return self.meta[block][0]
+        if not self.cache_blocks:
+            return key  # no cache: the key chains on, nothing is kept
         old = self.by_hash.get(key)
-        if old is not None:  # the same prefix computed twice, or a collision: the newer block takes the key
+        if old is not None:  # the same prefix computed twice, or a collision: the older block loses the key
             del self.meta[old]
+            if self.cached.pop(old, "held") is None:
+                self.free.move_to_end(old, last=False)  # nobody holds it and nothing names it: reused first
         self.by_hash[key] = block
         self.meta[block] = (key, parent, tokens, salt)
         self.counters["registered"] += 1
         return key
 
-    def lookup(self, tokens, salt: str | None = None, limit: int | None = None) -> list[int]:
+    def lookup(self, tokens, salt: str | None = None, limit: int | None = None, *, count: bool = True) -> list[int]:
         """The registered blocks that start ``tokens`` (at most ``limit`` tokens of them), first to
         last; each checked against its own tokens, parent and salt.  Takes no reference:
         :meth:`share` them into a slot (before any allocation, which may evict them)."""
@@ -230,16 +263,41 @@ class BlockPool:
         found, parent = [], None
         for start in range(0, limit - bs + 1, bs):
             block_tokens = tuple(tokens[start:start + bs])
-            key = chain_hash(parent, block_tokens, salt)
+            key = self.chain(parent, block_tokens, salt)
             b = self.by_hash.get(key)
             if b is None or self.meta[b][1:] != (parent, block_tokens, salt):
                 break
             found.append(b)
             parent = key
-        self.counters["queries"] += 1
-        self.counters["hit_blocks"] += len(found)
+        if not count:
+            return found
+        c = self.counters
+        c["queries"] += 1
+        c["query_tokens"] += len(tokens)
+        c["hits"] += bool(found)
+        c["hit_blocks"] += len(found)
         return found
+
+    def key_of(self, block: int) -> int:
+        """The key a registered ``block`` is cached under: the ``parent`` of the block after it."""
+        return self.meta[block][0]
+
+    def compact(self) -> list[int]:
+        """Renumber the cached blocks to the lowest ids, least recently released first, while no
+        table holds a block; returns their old ids in their new order (block ``RESERVED + i`` now
+        names what ``old[i]`` held: the caller moves the K/V).  Lets the K/V arrays shrink after a
+        burst and keep the cache."""
+        if self.num_used:
+            raise InvalidRequestError("compact the pool only while no slot holds a block")
+        old = list(self.cached)
+        new = {b: RESERVED + i for i, b in enumerate(old)}
+        self.meta = {new[b]: m for b, m in self.meta.items()}
+        self.by_hash = {m[0]: b for b, m in self.meta.items()}
+        self.cached = OrderedDict.fromkeys(range(RESERVED, RESERVED + len(old)))
+        self.free = OrderedDict.fromkeys(range(RESERVED + len(old), self.num_blocks))
+        self.free.update(self.cached)
+        return old
 
     def stats(self) -> dict:
         return {**self.counters, "blocks": self.num_blocks - RESERVED, "used": self.num_used, "free": self.num_free,
-                "cached": len(self.meta), "block_size": self.block_size}
+                "cached": len(self.cached), "registered_blocks": len(self.meta), "block_size": self.block_size}

@@ -4,7 +4,7 @@ Families differ by the switches of :class:`ModelConfig`, never by copies of this
 code.  The model reads like single-sequence code: all batching knowledge (where
 K/V go, which positions each query may see, each row's rope offset) lives in the
 attention *context* passed to ``__call__``, which is either the reference
-``SequenceCache`` or one of the slot table's views.
+path's ``kv.PagedSequenceCache`` or one of the slot table's views.
 
 Attention context protocol::
 

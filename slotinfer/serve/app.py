@@ -161,6 +161,7 @@ class _Server:
         (request, prompt tokens -> its shaper) are the dialect's; submitting, streaming and cancelling are one.
         ``shape`` gives an error's body in the dialect's own shape (OpenAI's when None)."""
         t0 = time.perf_counter()
+        req = None
         try:
             self._authorize(request)
             req = parse(await self._json(request))
@@ -173,7 +174,7 @@ class _Server:
             await asyncio.to_thread(self._compile, req)  # seconds for a hard schema
             handles, prompt_tokens = await self._submit(req, prompts)
         except Exception as e:
-            return self._refuse(endpoint, e, shape)
+            return self._refuse(endpoint, e, shape, req)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         shaper = shaper_of(req, prompt_tokens)
         if req.stream:
@@ -252,18 +253,6 @@ class _Server:
             await asyncio.sleep(pause)
             pause = min(2 * pause, 0.02)
 
-    def _check_room(self, req: GenerateRequest, ids: list[int]):
-        """400 quoting the client's own max_tokens where the prompt and it overflow a slot (the engine's
-        rule: max_tokens past the model's context counts up to the context)."""
-        max_len, asked, key, n = self.inf.engine.max_len, req.max_tokens, req.max_tokens_param, len(ids)
-        if asked is None or n + min(asked, self.model.context_length - n) <= max_len:
-            return
-        fix = f"lower {key} to at most {max_len - n}" if n < max_len else f"shorten the prompt below {max_len} tokens"
-        raise APIError(400, f"the prompt has {n} tokens and {key} is {asked}: {n + asked} > this server's max_len of "
-                            f"{max_len} tokens per request (--max-len); {fix}",
-                       param=key if n < max_len else "messages" if req.chat else "prompt",
-                       code="context_length_exceeded")
-
     def _encode(self, req: GenerateRequest) -> list[list[int]]:
         """The token ids of each prompt (chat messages rendered with the model's template), on a worker
         thread: the event loop goes on serving every other request meanwhile."""
@@ -290,7 +279,6 @@ class _Server:
         try:
             left = len(prompts) * req.n
             for ids in prompts:
-                self._check_room(req, ids)
                 room = min(self.inf.engine.max_len, model.context_length) - len(ids)
                 max_tokens = req.max_tokens or (max(room, 1) if req.chat else DEFAULT_MAX_TOKENS)
                 for j in range(req.n):
@@ -326,7 +314,7 @@ class _Server:
         try:
             results = everything.result()
         except Exception as e:
-            return self._refuse(endpoint, _named(req, e), shape)
+            return self._refuse(endpoint, _named(req, e), shape, req)
         if any(c.finish_reason == "cancelled" and i not in _repeated(shaper) for i, c in enumerate(results)):
             # the server ended it: shutting down
             self.metrics.outcome(endpoint, "cancelled")
@@ -335,10 +323,10 @@ class _Server:
         used = usage(prompt_tokens, sum(len(c.tokens) for c in results), _cached(req, results))
         return JSONResponse(shaper.completion([(i, c, req.logprobs) for i, c in enumerate(results)], used))
 
-    async def _drain(self, handle, timer, shaper, i):
+    async def _drain(self, handle, timer, shaper=None, i: int = 0):
         async for ev in handle:
             timer.tick()
-            if _watch(shaper, i, ev.text):  # a forced reply repeated a call: it ends here
+            if shaper is not None and _watch(shaper, i, ev.text):  # a forced reply repeated a call: it ends here
                 handle.cancel()
         return handle.result()
 
@@ -509,8 +497,11 @@ class _Server:
         and stops each classify before its next unit of work."""
         self.inf.close(drain=False)
 
-    def _refuse(self, endpoint: str, e: BaseException, shape=None) -> Response:
-        err = from_exception(e, retry_after=self.retry_after)
+    def _refuse(self, endpoint: str, e: BaseException, shape=None, req: GenerateRequest | None = None) -> Response:
+        """The error response in the dialect's ``shape``, naming the request's keys as its client spelled them."""
+        keys = {} if req is None else dict(max_tokens_key=req.max_tokens_param,
+                                           prompt_key="messages" if req.chat else "prompt")
+        err = from_exception(e, retry_after=self.retry_after, **keys)
         self.metrics.outcome(endpoint, {400: "invalid", 401: "unauthorized", 404: "invalid", 408: "invalid",
                                         413: "invalid", 429: "rejected"}.get(err.status, "error"))
         return err.response(shape)

@@ -58,12 +58,17 @@ def cut_short() -> APIError:
                          "(or to another instance)", type="server_error", code="shutting_down")
 
 
-def from_exception(e: BaseException, *, retry_after: int = 1) -> APIError:
-    """The response for an exception raised while taking or running a request."""
+def from_exception(e: BaseException, *, retry_after: int = 1, max_tokens_key: str = "max_tokens",
+                   prompt_key: str = "prompt") -> APIError:
+    """The response for an exception raised while taking or running a request.  ``max_tokens_key``
+    and ``prompt_key``: how the client spelled them (``max_completion_tokens``; ``messages``), for
+    the engine's errors that name them."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, PromptTooLongError):
-        return APIError(400, str(e), param=getattr(e, "param", None), code="context_length_exceeded")
+        param = getattr(e, "param", None)
+        param = {"max_tokens": max_tokens_key, "prompt": prompt_key}.get(param, param)
+        return APIError(400, e.describe(max_tokens_key), param=param, code="context_length_exceeded")
     if isinstance(e, (InvalidRequestError, TokenizerError)):  # request.check names the parameter in .param
         return APIError(400, str(e), param=getattr(e, "param", None))
     if isinstance(e, QueueFull):  # the library's advice (block=True) is no HTTP client's: say what one can do
