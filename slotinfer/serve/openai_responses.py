@@ -40,7 +40,7 @@ FIELDS = ("model", "input", "instructions", "tools", "tool_choice", "parallel_to
 
 @dataclass
 class ResponsesRequest(GenerateRequest):
-    echo: dict = field(default_factory=dict)  # the request's fields a Response object repeats
+    repeated: dict = field(default_factory=dict)  # the request's fields a Response object repeats
     namespaces: dict = field(default_factory=dict)  # function name -> the namespace tool it came in
 
 
@@ -77,7 +77,7 @@ def parse(body: dict) -> ResponsesRequest:
     _tools({"tools": offered or None, "tool_choice": choice, "parallel_tool_calls": body.get("parallel_tool_calls")},
            req)
     req.template_kwargs = template_kwargs(body)
-    req.echo = {"instructions": body.get("instructions"), "tools": tools or [],
+    req.repeated = {"instructions": body.get("instructions"), "tools": tools or [],
                 "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": req.parallel_tool_calls,
                 "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                 "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
@@ -230,7 +230,7 @@ class Shaper(Blocks):
     def _response(self, status: str, output: list, usage=None, reason=None) -> dict:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": {"reason": reason} if reason else None, "model": self.model,
-                "output": output, "usage": usage, **self.req.echo}
+                "output": output, "usage": usage, **self.req.repeated}
 
     def _item(self, kind, value, status="completed") -> dict:
         if kind == REASONING:
