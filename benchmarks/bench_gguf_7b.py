@@ -29,7 +29,7 @@ import json, resource, sys, time
 import slotinfer
 from mlx.utils import tree_flatten
 from slotinfer.cli.bench import step_until_idle
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 
 def rss():
     with open("/proc/self/status") as f:

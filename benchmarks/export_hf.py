@@ -16,7 +16,7 @@ import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
 from slotinfer import default_model, gguf
 from slotinfer.cli.bench import CACHE
-from slotinfer.tokenizer import Tokenizer
+from slotinfer.text.tokenizer import Tokenizer
 
 
 def export(src: Path, out: Path) -> Path:

@@ -12,7 +12,7 @@ from .cpu import blas as _blas
 BLAS = _blas.ensure_blas()
 
 from .errors import *  # noqa: E402,F401,F403
-from .loader import load  # noqa: E402,F401
+from .loading.loader import load  # noqa: E402,F401
 from .model import Model  # noqa: E402,F401
 from .types import BatchResult, ClassifyResult, Completion  # noqa: E402,F401
 from .handle import Handle, StreamEvent  # noqa: E402,F401

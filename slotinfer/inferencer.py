@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import request
-from .engine import Engine
+from .engine.engine import Engine
 from .errors import Cancelled, EngineClosed, EngineError, InvalidRequestError, QueueFull
 from .handle import Handle
 from .types import Completion

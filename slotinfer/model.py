@@ -14,9 +14,9 @@ from .errors import InvalidRequestError, PromptTooLongError
 from .kv import KV_BLOCK_SIZE, PagedSequenceCache
 from .models import ModelConfig, Transformer
 from .models.transformer import layer_by_layer
-from .sampling import SamplingParams, adjust, penalize, sample
-from .stops import find_stop
-from .structured import apply_mask, words
+from .engine.sampling import SamplingParams, adjust, penalize, sample
+from .text.stops import find_stop
+from .engine.structured import apply_mask, words
 from .types import Completion
 
 
@@ -43,8 +43,8 @@ class Model:
 
     @functools.cached_property
     def grammars(self):
-        """The model's structured-output compiler (:mod:`slotinfer.structured`), built on first use."""
-        from .structured import Grammars
+        """The model's structured-output compiler (:mod:`slotinfer.engine.structured`), built on first use."""
+        from .engine.structured import Grammars
 
         return Grammars(self.tokenizer, self.config.vocab_size, self.eos_ids)
 

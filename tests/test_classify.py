@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer.cache import SequenceCache
+from slotinfer.kv.views import SequenceCache
 from slotinfer.classify import classify, encode_labels
 from slotinfer.cli.classify import main
 from slotinfer.cli.jobs import parse_template, resume
-from slotinfer.encoder import SegmentView, plan_batches
+from slotinfer.engine.encoder import SegmentView, plan_batches
 from slotinfer.errors import InvalidRequestError, PromptTooLongError
 from slotinfer.testing import FAMILIES, make_tiny_model
 

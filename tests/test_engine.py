@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import slotinfer
-from slotinfer.cache import SequenceCache
-from slotinfer.engine import Engine
+from slotinfer.kv.views import SequenceCache
+from slotinfer.engine.engine import Engine
 from slotinfer.errors import EngineClosed, EngineError, InvalidRequestError, PromptTooLongError, QueueFull
 from slotinfer.testing import FAMILIES
 

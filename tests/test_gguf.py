@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 import slotinfer
 from slotinfer import default_model
-from slotinfer.cache import SequenceCache
+from slotinfer.kv.views import SequenceCache
 from slotinfer.errors import (ConfigError, ModelNotFoundError, TokenizerError, UnsupportedModelError,
                               WeightError)
 from slotinfer.testing import FAMILIES
@@ -368,7 +368,7 @@ def test_bf16_keeps_values_outside_float16(tmp_path, files):
 
 @given(st.integers(1, 4), st.integers(1, 8), st.integers(1, 3))
 def test_llama_qk_rows_are_restored(heads, half, cols):
-    from slotinfer.gguf import _unpermute
+    from slotinfer.loading.gguf import _unpermute
 
     w = np.arange(heads * 2 * half * cols, dtype=np.float32).reshape(heads * 2 * half, cols)
     np.testing.assert_array_equal(np.array(_unpermute(mx.array(permute(w, heads)), heads)), w)

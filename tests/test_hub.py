@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import slotinfer
 from slotinfer import default_model
 from slotinfer.errors import InvalidRequestError, ModelNotFoundError
-from slotinfer.hub import split_id
+from slotinfer.loading.hub import split_id
 from slotinfer.testing import make_tiny_model
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,"]

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer.decoder import row_bucket, row_buckets, step_rows
-from slotinfer.engine import Engine
+from slotinfer.engine.decoder import row_bucket, row_buckets, step_rows
+from slotinfer.engine.engine import Engine
 
 
 @given(st.integers(1, 512))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import slotinfer
-from slotinfer.cache import SequenceCache
+from slotinfer.kv.views import SequenceCache
 from slotinfer.errors import (ConfigError, InvalidRequestError, ModelNotFoundError, PromptTooLongError,
                               TokenizerError, UnsupportedModelError, WeightError)
 from slotinfer.testing import FAMILIES

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer.cache import SequenceCache
+from slotinfer.kv.views import SequenceCache
 from slotinfer.errors import ConfigError, ModelLoadError, SlotinferError, WeightError
 from slotinfer.testing import FAMILIES, make_tiny_model
 

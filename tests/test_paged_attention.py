@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slotinfer.cache import window_mask
+from slotinfer.kv.views import window_mask
 from slotinfer.cpu.ops import MLX_OPS, cpu_ops
 from slotinfer.kv import TRASH, ZERO, BlockPool
 from slotinfer.kv import paged_attend, write_index
 from slotinfer.kv.paged_attention import PagedSequenceCache
 from slotinfer.models.transformer import attend
-from slotinfer.slots import scatter
+from slotinfer.kv.slot_table import scatter
 from slotinfer.testing import FAMILIES
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 import slotinfer
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 from slotinfer.kv import KV_BLOCK_SIZE, block_bytes
 
 

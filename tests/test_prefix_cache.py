@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 from slotinfer.kv import PrefixCache
 from slotinfer.testing import FAMILIES
 from test_properties import feed as _run

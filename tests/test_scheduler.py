@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotinfer import Inferencer
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 from slotinfer.errors import EngineClosed, EngineError, QueueFull
-from slotinfer.item_processor import TRANSITIONS, ItemProcessor, State
+from slotinfer.engine.item_processor import TRANSITIONS, ItemProcessor, State
 
 STEPS = 60
 

@@ -14,7 +14,7 @@ from hypothesis import given, strategies as st
 from pydantic import TypeAdapter
 
 import slotinfer
-from slotinfer.reasoning import INSIDE, MAYBE, ReasoningSplitter, mode, split
+from slotinfer.text.reasoning import INSIDE, MAYBE, ReasoningSplitter, mode, split
 from slotinfer.serve import anthropic as messages_api, openai_responses
 from slotinfer.serve.background import serving
 from slotinfer.serve import build_app

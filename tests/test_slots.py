@@ -1,4 +1,4 @@
-"""The slot table's K/V in pool blocks (slotinfer.slots) against a numpy reference.
+"""The slot table's K/V in pool blocks (slotinfer.kv.slot_table) against a numpy reference.
 
 Engine-level equality with Model.generate (test_properties) covers the table end to end;
 here it is held to its own contract: a write through a slot's block table lands at exactly the
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from slotinfer.errors import InvalidRequestError
 from slotinfer.kv import TRASH, write_index
-from slotinfer.slots import SlotTable, scatter
+from slotinfer.kv.slot_table import SlotTable, scatter
 
 
 def _table(slots, kv_heads, max_len, head_dim, block_size, blocks):

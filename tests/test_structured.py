@@ -1,4 +1,4 @@
-"""Structured output and logit adjustments inside the fused step (slotinfer.structured).
+"""Structured output and logit adjustments inside the fused step (slotinfer.engine.structured).
 
 What must hold: a constrained request's output follows its constraint; its greedy tokens are
 the same alone (``Model.generate``) and in any batch; free rows sharing its steps keep their
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import slotinfer
 from slotinfer import GrammarError, InvalidRequestError
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 from slotinfer.testing import FAMILIES
 
 from test_properties import feed
@@ -174,7 +174,7 @@ def test_the_noise_of_a_draw_is_finite_for_every_bit_pattern():
     import mlx.core as mx
     import numpy as np
 
-    from slotinfer.sampling import gumbel_of
+    from slotinfer.engine.sampling import gumbel_of
 
     bits = mx.array([0, 1, 255, 511, 2**31, 2**32 - 512, 2**32 - 257, 2**32 - 1], dtype=mx.uint32)
     noise = np.array(gumbel_of(bits))

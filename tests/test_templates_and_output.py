@@ -22,10 +22,10 @@ from slotinfer.cli.classify import main as classify_main
 from slotinfer.cli.jobs import UsageError, parse_template
 from slotinfer.cli.main import main as cli_main
 from slotinfer.errors import InvalidRequestError, TemplateError, TokenizerError
-from slotinfer.templates import _raise_from_template, _strftime_now, _tojson, compile_template, render
-from slotinfer.templates import sandboxed_environment
+from slotinfer.text.templates import _raise_from_template, _strftime_now, _tojson, compile_template, render
+from slotinfer.text.templates import sandboxed_environment
 from slotinfer.testing import make_tiny_model
-from slotinfer.tokenizer import Tokenizer
+from slotinfer.text.tokenizer import Tokenizer
 
 MESSAGES = [
     {"role": "system", "content": "You answer in one line."},
@@ -249,7 +249,7 @@ message_st = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"
 def test_real_chat_templates_render_as_before(real_templates, messages, system, gen):
     msgs = ([{"role": "system", "content": "Be brief."}] if system else []) + messages
     ctx = {"messages": msgs, "add_generation_prompt": gen, "bos_token": "<s>", "eos_token": "</s>"}
-    from slotinfer.tokenizer import _jinja_env
+    from slotinfer.text.tokenizer import _jinja_env
 
     for name, src in real_templates.items():
         try:

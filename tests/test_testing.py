@@ -13,7 +13,7 @@ import pytest
 
 from slotinfer import testing
 from slotinfer.testing import FAMILIES, make_tiny_model
-from slotinfer.tokenizer import Tokenizer
+from slotinfer.text.tokenizer import Tokenizer
 
 GEMMAS = ("gemma3_text", "gemma3", "gemma2")
 

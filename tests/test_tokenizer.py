@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from slotinfer.errors import InvalidRequestError, ModelNotFoundError, TokenizerError
 from slotinfer.testing import FAMILIES, make_tiny_model
-from slotinfer.tokenizer import StreamingDetokenizer, Tokenizer
+from slotinfer.text.tokenizer import StreamingDetokenizer, Tokenizer
 
 BOS_FAMILIES = ("llama", "gemma3_text", "gemma3", "gemma2")
 NO_BOS_FAMILIES = ("qwen2", "qwen3")

@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from slotinfer import tools
-from slotinfer.tools import HERMES, LLAMA3, StreamParser, parse
+from slotinfer.text.tools import HERMES, LLAMA3, StreamParser, parse
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},

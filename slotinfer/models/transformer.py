@@ -301,7 +301,7 @@ def layer_by_layer(kv, tokens: int, threshold: int):
     """An ``after_layer`` for :meth:`Transformer.__call__` when a forward of ``tokens`` tokens
     reaches ``threshold`` (> 0), else None: it evaluates each layer's output and its K/V writes
     before the next layer is queued.  ``kv`` holds the ``keys`` and ``values`` lists written to
-    (the slot table, a :class:`~slotinfer.cache.SequenceCache`), read at each call.  MLX
+    (the slot table, a :class:`~slotinfer.kv.views.SequenceCache`), read at each call.  MLX
     allocates an op's output when the op is queued, ahead of the thread that computes it, so an
     eager forward issued whole holds several layers' activations at once (see
     :func:`slotinfer.device.prefill_by_layer`)."""

@@ -6,7 +6,7 @@ new prompts (Encoder), issues one fused decode step for every running slot
 (Decoder), and only then reads back the *previous* step's tokens: the host's
 bookkeeping of step t overlaps the device's work on step t+1, and each step costs
 exactly one device-to-host copy.  The exception is a step with constrained rows
-(:mod:`slotinfer.structured`): their masks need the previous step's tokens, so it reads
+(:mod:`slotinfer.engine.structured`): their masks need the previous step's tokens, so it reads
 that step back first.
 
 Why one module: the step's phases (admit, prefill, decode, process) share the slot table's
@@ -23,15 +23,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import device, request
+from .. import device, request
 from .decoder import Decoder, RowParams, spread
 from .encoder import Encoder
-from .errors import EngineError, GrammarError, PromptTooLongError
-from .handle import Handle
-from .kv import BLOCK_SIZE, PrefixCache
+from ..errors import EngineError, GrammarError, PromptTooLongError
+from ..handle import Handle
+from ..kv import BLOCK_SIZE, PrefixCache
 from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .sampling import SamplingParams, top_n_computed
-from .slots import SlotTable
+from ..kv.slot_table import SlotTable
 from .structured import wait_for_any, words
 
 _ids = itertools.count(1)

@@ -5,7 +5,7 @@ llama.cpp stores the vocabulary instead of a ``tokenizer.json``: ``tokenizer.ggm
 scores and byte tokens), the token types (control tokens are special, user-defined ones
 are matched whole), a named pre-tokenizer (``tokenizer.ggml.pre``), the special ids and
 add-BOS/EOS flags.  Each part is rebuilt here as the model's own ``tokenizer.json``
-spells it, so the result goes through the same :class:`~slotinfer.tokenizer.Tokenizer`
+spells it, so the result goes through the same :class:`~slotinfer.text.tokenizer.Tokenizer`
 and streaming detokenizer as a Hugging Face folder.  A pre-tokenizer not in
 :data:`PRE_TOKENIZERS` is refused: a wrong split gives wrong ids without any error.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from .errors import TokenizerError
+from ..errors import TokenizerError
 
 _CONTROL, _USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -48,7 +48,7 @@ PRE_TOKENIZERS = {"default": _GPT2, "gpt-2": _GPT2, "gpt2": _GPT2, "llama-bpe": 
 
 
 def build(meta: dict, source: str) -> dict:
-    """The keyword arguments of :class:`~slotinfer.tokenizer.Tokenizer` for a GGUF's metadata."""
+    """The keyword arguments of :class:`~slotinfer.text.tokenizer.Tokenizer` for a GGUF's metadata."""
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or not isinstance(tokens, list) or not tokens:

@@ -22,12 +22,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .errors import EngineError
-from .handle import Handle, StreamEvent
-from .stops import find_stop
+from ..errors import EngineError
+from ..handle import Handle, StreamEvent
+from ..text.stops import find_stop
 from .sampling import SamplingParams
-from .slots import SlotTable
-from .types import Completion
+from ..kv.slot_table import SlotTable
+from ..types import Completion
 
 
 class State(enum.Enum):

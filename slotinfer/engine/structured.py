@@ -33,11 +33,11 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 
-from . import json_numbers, settings
+from .. import json_numbers, settings
 from ._grammar_worker import compile_checked
-from .errors import GrammarError
+from ..errors import GrammarError
 from .grammar_compile import COMPILER, first_lines, on_big_stack
-from .request import CONSTRAINTS
+from ..request import CONSTRAINTS
 
 # Compact JSON: no free whitespace, so a model cannot spend its tokens on blank runs.
 JSON_OPTIONS = {"whitespace_flexible": False}

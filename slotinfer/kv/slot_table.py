@@ -20,10 +20,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import device
-from .cache import scatter, window_mask
-from .errors import OutOfMemoryError
-from .kv import KV_BLOCK_SIZE, RESERVED, BlockPool, block_bytes, blocks_for_budget, write_index
+from .. import device
+from .views import scatter, window_mask
+from ..errors import OutOfMemoryError
+from .block_pool import KV_BLOCK_SIZE, RESERVED, BlockPool, block_bytes, blocks_for_budget
+from .paged_attention import write_index
 
 __all__ = ["SlotTable", "PrefillView", "scatter", "default_kv_cache_bytes"]
 

@@ -38,8 +38,8 @@ from jinja2.compiler import CodeGenerator, optimizeconst
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.visitor import NodeTransformer
 
-from . import settings
-from .errors import InvalidRequestError, TemplateError
+from .. import settings
+from ..errors import InvalidRequestError, TemplateError
 
 # -- limits of one render ----------------------------------------------------------
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .request import SAMPLING, check_value
+from ..request import SAMPLING, check_value
 
 _M1, _M2, _GOLD = 0x7FEB352D, 0x846CA68B, 0x9E3779B9
 

@@ -28,8 +28,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import tokenizers
 
-from ._files import read_json
-from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError
+from .._files import read_json
+from ..errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError
 
 __all__ = ["Tokenizer", "StreamingDetokenizer"]
 
@@ -129,7 +129,7 @@ _JINJA_ENV = None
 
 
 def _jinja_env():
-    """The sandbox of chat templates (see :mod:`slotinfer.templates`), built once."""
+    """The sandbox of chat templates (see :mod:`slotinfer.text.templates`), built once."""
     global _JINJA_ENV
     if _JINJA_ENV is None:
         from jinja2.ext import loopcontrols
@@ -278,7 +278,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], source: str) -> "Tokenizer":
-        """The tokenizer a GGUF file's metadata describes (:mod:`slotinfer.gguf_tokenizer` rebuilds it)."""
+        """The tokenizer a GGUF file's metadata describes (:mod:`slotinfer.text.gguf_tokenizer` rebuilds it)."""
         from .gguf_tokenizer import build
 
         return cls(**build(dict(metadata), source))

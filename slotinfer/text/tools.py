@@ -22,7 +22,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from . import json_numbers
+from .. import json_numbers
 
 HERMES, LLAMA3 = "hermes", "llama3"
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from . import _grammar_worker  # a plain script module: it imports nothing of slotinfer
-from .errors import GrammarBusy, GrammarError
+from ..errors import GrammarBusy, GrammarError
 
 WORKER = Path(__file__).with_name("_grammar_worker.py")
 STACK_BYTES = _grammar_worker.STACK_BYTES  # each compile thread's, here and in the children

@@ -16,7 +16,7 @@ data is read.  Then the weights are read one of two ways:
   One tensor at a time: the load never holds more than the weights plus one tensor in float32.
 
 The config comes from :mod:`slotinfer.models.gguf_config`, the tokenizer from
-:mod:`slotinfer.gguf_tokenizer`.
+:mod:`slotinfer.text.gguf_tokenizer`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import device, settings
-from ._files import open_regular
-from .errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError, WeightError
-from .models import expected_shapes, parse_config
-from .models.gguf_config import architecture, config_dict, gguf_module, module_name
+from .. import device, settings
+from .._files import open_regular
+from ..errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError, WeightError
+from ..models import expected_shapes, parse_config
+from ..models.gguf_config import architecture, config_dict, gguf_module, module_name
 
 # GGML tensor types (ids) slotinfer reads.  MLX's reader: F32, F16, Q4_0, Q4_1, Q8_0 (and BF16, read here)
 _F32, _F16, _BF16 = 0, 1, 30
@@ -328,7 +328,7 @@ def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict,
 def _repacked(path: Path, t: TensorInfo, quant: dict, module: str) -> mx.array:
     """A matrix of another quantized type in blocks the CPU's kernels read (:mod:`slotinfer.cpu.repack`):
     Q4_K as Q4_1, value for value; any other type requantized to Q8_0 from gguf's reading."""
-    from .cpu import repack
+    from ..cpu import repack
 
     if t.type == repack.Q4_K:
         raw = _raw_blocks(path, t)

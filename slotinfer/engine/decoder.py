@@ -19,11 +19,11 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from . import settings
-from ._compile import ThreadCompiled
+from .. import settings
+from .._compile import ThreadCompiled
 from .sampling import adjust, logprobs_of, penalize, sample
-from .kv import ZERO, PagedDecodeView, write_index
-from .slots import SlotTable
+from ..kv import ZERO, PagedDecodeView, write_index
+from ..kv.slot_table import SlotTable
 from .structured import apply_mask
 
 def row_buckets(slots: int) -> list[int]:
@@ -73,7 +73,7 @@ class Decoder:
     def variants(self) -> int:
         """How many step variants exist: bounded by the configuration (row buckets x 2 row layouts x
         block counts x sampling modes x the few logprob counts of
-        :func:`~slotinfer.sampling.top_n_computed`), never by what requests ask for."""
+        :func:`~slotinfer.engine.sampling.top_n_computed`), never by what requests ask for."""
         return len(self._compiled)
 
     def step(self, tokens, live, positions, span: int, rows: "RowParams", *, top_n: int = -1, masks=None):
@@ -85,7 +85,7 @@ class Decoder:
         (read for the live slots only); ``span`` the positions the widest live row attends to.
         Logprob outputs are [b, ...] too; other slots' entries are meaningless.  ``masks`` (host,
         [b, words] int32, or None) is each slot's bitmask of the tokens it may take
-        (:mod:`slotinfer.structured`); a free row's is all ones.
+        (:mod:`slotinfer.engine.structured`); a free row's is all ones.
 
         Attention reads each row's blocks through its block table
         (:class:`~slotinfer.kv.PagedDecodeView`), cut to the blocks the widest row holds: a step

@@ -6,7 +6,7 @@ size (rows x widest row) stays within a token budget (:func:`fits`), by one forw
 the head sees only each row's last real token (:func:`last_hidden`): never
 ``[n, L, vocab]``.  What differs is the attention context the rows run through:
 
-* the engine's :class:`~slotinfer.slots.PrefillView` writes each row's K/V into its
+* the engine's :class:`~slotinfer.kv.slot_table.PrefillView` writes each row's K/V into its
   slot's blocks; prompts longer than the budget arrive in chunks, one per engine step, so
   running slots keep decoding meanwhile (:class:`Encoder`);
 * classify's :class:`SegmentView` attends to K/V computed before (a
@@ -22,12 +22,12 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from . import device
-from .cache import window_mask
-from .models.transformer import layer_by_layer
+from .. import device
+from ..kv.views import window_mask
+from ..models.transformer import layer_by_layer
 from .sampling import adjust, logprobs_of, penalize, sample
 from .structured import apply_mask
-from .slots import PrefillView, SlotTable
+from ..kv.slot_table import PrefillView, SlotTable
 
 FAR = 1 << 30  # key position of a past column that must stay invisible (padding of an earlier segment)
 

@@ -6,7 +6,7 @@ the tokenizer files and ``generation_config.json``.  Weight names stay the
 checkpoint's own; the only rewrites are the ones the decoder needs (fused
 projections, Gemma's norm offset folded in) and they happen here, once.
 A ``.gguf`` file (or a folder holding one and no config.json) is read by
-:mod:`slotinfer.gguf` and joins the same :func:`assemble` tail.
+:mod:`slotinfer.loading.gguf` and joins the same :func:`assemble` tail.
 
 Why one module: the checks on a model's files must run in one order, before anything is
 allocated.
@@ -24,12 +24,14 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import device, gguf, hub, settings
-from ._files import check_regular, open_regular, read_json, where_missing
-from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
-from .model import Model
-from .models import ModelConfig, Transformer, expected_shapes, parse_config
-from .tokenizer import Tokenizer
+from .. import device, settings
+from . import gguf
+from . import hub
+from .._files import check_regular, open_regular, read_json, where_missing
+from ..errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
+from ..model import Model
+from ..models import ModelConfig, Transformer, expected_shapes, parse_config
+from ..text.tokenizer import Tokenizer
 
 _DROP_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -120,7 +122,7 @@ def assemble(cfg: ModelConfig, weights: dict, quant: dict, *, dtype, path: Path,
         nn.quantize(net, class_predicate=lambda p, m: kept.get(p, False))
     blocks = {m: q["format"] for m, q in quant.items() if "format" in q}
     if blocks:  # GGUF blocks kept for the CPU's own kernels
-        from .cpu import qlayers
+        from ..cpu import qlayers
 
         qlayers.swap(net, blocks)
     net.load_weights(list(weights.items()), strict=True)
@@ -439,7 +441,7 @@ def _deciding_keys(cfg: ModelConfig, name: str) -> str:
 
 def _check_blocks(module: str, shape: tuple, w, fmt: str):
     """GGUF blocks kept as stored: uint8 rows of in / 32 blocks (the GGUF reader made them)."""
-    from .cpu.qkernel import BLOCK_BYTES
+    from ..cpu.qkernel import BLOCK_BYTES
 
     want = (shape[0], shape[1] // 32 * BLOCK_BYTES[fmt]) if len(shape) == 2 and shape[1] % 32 == 0 else None
     if want is None or w.dtype != mx.uint8 or tuple(w.shape) != want:
@@ -524,7 +526,7 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
             if any(s != specs[0] for s in specs):  # mixed precision in one group: fuse dense
                 for m, s in zip(modules, specs):
                     if s and "format" in s:  # GGUF blocks beside another type
-                        from .cpu.qlayers import dequantize
+                        from ..cpu.qlayers import dequantize
 
                         weights[f"{m}.weight"] = dequantize(weights[f"{m}.weight"], s["format"]).astype(compute)
                         quant.pop(m)

@@ -21,8 +21,8 @@ import os
 import re
 from pathlib import Path
 
-from ._files import where_missing
-from .errors import InvalidRequestError, ModelNotFoundError
+from .._files import where_missing
+from ..errors import InvalidRequestError, ModelNotFoundError
 
 # The Hub's own rule for a name: letters, digits, "-", "_", ".", 1 to 96 characters, neither
 # starting nor ending with "-" or ".", and no "--" or "..".  A part that breaks it is a path.
