@@ -16,7 +16,8 @@ from .loading.loader import load  # noqa: E402,F401
 from .model import Model  # noqa: E402,F401
 from .types import BatchResult, ClassifyResult, Completion  # noqa: E402,F401
 from .handle import Handle, StreamEvent  # noqa: E402,F401
-from .inferencer import Inferencer, Request  # noqa: E402,F401
+from .inferencer import Inferencer  # noqa: E402,F401
+from .queues import QueuedRequest as Request  # noqa: E402,F401  (the serve_queue record)
 
 __version__ = "0.1.0"
 
