@@ -26,7 +26,7 @@ What *is* exact is the paged form against itself: a row's output depends only on
 its blocks' contents and its mask, never on the other rows, on padding blocks past its length
 (``ZERO`` blocks under zero weights add exact zeros to the chain) or on where its blocks lie in
 the pool.  So the reference a batched engine is held to must read through this function too,
-with the same block size (tests/test_paged_attention.py holds both statements).
+with the same block size (tests/kv/test_paged_attention.py holds both statements).
 
 Writes go through :func:`write_index` and :func:`slotinfer.kv.views.scatter`: one flat
 ``put_along_axis`` per layer, as the slot table writes today.

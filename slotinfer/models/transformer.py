@@ -91,7 +91,7 @@ class RoPE(nn.Module):
         made once per step, by ``mx.fast.rope`` itself (of a probe whose first half is ones and
         second half zeros: ``1 * cos - 0 * sin``, ``1 * sin + 0 * cos``), and each layer applies
         them with the expressions ``mx.fast.rope`` uses, the same values bit for bit
-        (tests/test_fastmath.py).
+        (tests/cpu/test_fastmath.py).
         """
         if tables is None or x.shape[2] != 1:
             return self._rope(x, offset)

@@ -6,7 +6,7 @@ import sys
 from hypothesis import given
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 from schedules import diluted_ratio, schedule_spans, schedule_steps  # noqa: E402
 
 gens_st = st.lists(st.integers(1, 600), min_size=1, max_size=80)

@@ -25,7 +25,7 @@ import mlx.core as mx
 from slotinfer import device
 from slotinfer.errors import InvalidRequestError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINUX = sys.platform == "linux"
 OPTIONS = ["openblas-scipy", "openblas-numpy", "openblas-system", "mkl"]
 

@@ -22,7 +22,7 @@ from slotinfer.models.transformer import attend
 from slotinfer.kv.slot_table import scatter
 from slotinfer.testing import FAMILIES
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"))
 from paged_exactness import PagedRunner, greedy, paged_attention_installed  # noqa: E402
 
 # "cpu": the CPU's fused MLX arithmetic; "cpu-native": with the extension's decode attention, one
@@ -92,7 +92,7 @@ def test_one_block_is_contiguous_bit_for_bit(rep):
     """A span of one block runs the products contiguous attention runs, while a K/V head has fewer
     than 8 query heads (from 8, the CPU products take another summation form: docs/blas.md).  Of
     the MLX-op form; the native kernel has its own order (held by the hypothesis tests above and
-    below, and against float64 in tests/test_qkernel.py)."""
+    below, and against float64 in tests/cpu/test_qkernel.py)."""
     c = dict(kvh=2, heads=2 * rep, d=64, bs=32, lengths=[32, 7, 19], width=1, window=None, softcap=None, ops="cpu",
              seed=rep)
     q, keys, values, pool_k, pool_v, tables, mask = build(c)

@@ -265,7 +265,7 @@ def test_logit_bias_and_penalties_reach_the_step(served):
 @landed
 def test_the_tool_calling_page_runs(smollm2, capsys):
     """docs/tool-calling.md's openai example, as written but for the port, against SmolLM2."""
-    page = (Path(__file__).parent.parent / "docs" / "tool-calling.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "tool-calling.md").read_text()
     [block] = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "openai" in b]
     with slotinfer.Inferencer(smollm2, slots=2, max_len=2048) as inf:
         with serving(build_app(inf, served_model_name="smollm2")) as url:

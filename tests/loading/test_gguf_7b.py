@@ -16,7 +16,7 @@ import pytest
 import slotinfer  # noqa: F401  (first: the BLAS before mlx.core)
 from slotinfer import device
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_gguf_7b import measure, write  # noqa: E402
 
 pytestmark = [

@@ -4,7 +4,7 @@ a step's tables and attention of one new token per row over pool blocks.
 Each against a float64 numpy reference (rope: bit for bit against the MLX expression it replaces),
 each row's result the same alone as in any batch, strided inputs read as their values, and bad
 input refused.  Every loop set this CPU runs (AVX-512, AVX2, the baseline) is held to them.
-Skipped where the extension was not built (the MLX ops then serve, tests/test_fastmath.py).
+Skipped where the extension was not built (the MLX ops then serve, tests/cpu/test_fastmath.py).
 """
 
 import numpy as np
@@ -247,7 +247,7 @@ def llama_q41(request, tmp_path_factory):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: gguf_fixtures
     from gguf_fixtures import twin, write_gguf
 
     root = tmp_path_factory.mktemp("fused")

@@ -26,7 +26,7 @@ from slotinfer.errors import (ConfigError, ModelNotFoundError, TokenizerError, U
                               WeightError)
 from slotinfer.testing import FAMILIES
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: gguf_fixtures
 from gguf_fixtures import (ENCODERS, K_QUANT_DIMS, T, dequantized_twin, hf_tensors, llama_cpp_q4_k_m,  # noqa: E402
                            permute, quantized, random_blocks, requantize, tensors, twin, write_gguf)
 

@@ -108,7 +108,7 @@ def test_install_advice_is_the_checkouts():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     files = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "slotinfer").rglob("*.py")]
     advice = re.compile(r"pip install[^\n`#]*?[\s'\"]slotinfer\b")
     found = [f"{f.relative_to(root)}: {m.group(0)}" for f in files for m in advice.finditer(f.read_text())]

@@ -221,7 +221,7 @@ def test_paths_are_not_repo_ids(org, name, lead, tail):
     assert split_id(Path(f"{org}/{name}")) is None  # a Path is always a local path
 
 
-@pytest.mark.skipif(default_model.path() is None or not any(Path(slotinfer.__file__).parent.glob("gguf*")),
+@pytest.mark.skipif(default_model.path() is None or not any((Path(slotinfer.__file__).parent / "loading").glob("gguf*")),
                     reason=f"needs {default_model.NAME} ({default_model.INSTALL}) and GGUF loading")
 def test_the_real_gguf_loads_from_an_id_as_from_its_file(tmp_path):
     gguf = default_model.path()

@@ -17,7 +17,7 @@ from slotinfer.cli.demo import BATCHED, REVIEWS, SENTIMENTS, STREAMED
 
 SECTIONS = ("== chat prompts streamed", "== batch_generate", "== classify")
 # llama.cpp's GGUF loading lives in slotinfer/gguf*; the real model needs it
-GGUF_LOADING = any(Path(slotinfer.__file__).parent.glob("gguf*"))
+GGUF_LOADING = any((Path(slotinfer.__file__).parent / "loading").glob("gguf*"))
 
 
 def demo(tmp_path, *args, pythonpath=None) -> tuple[int, list[str], str]:
