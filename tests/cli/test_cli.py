@@ -91,6 +91,7 @@ def test_generate_into_a_closed_pipe_exits_quietly(model_dir, head_1):
 
 
 
+@pytest.mark.slow  # a subprocess of the CLI
 def test_ctrl_c_during_classify_writes_what_is_done_and_a_rerun_finishes_it(model_dir, tmp_path):
     """Interrupted, classify keeps every record it wrote (whole lines) and exits 130; run again, it
     classifies the rest, each sentence once."""

@@ -15,6 +15,8 @@ from slotinfer import default_model
 from slotinfer.cli.main import main
 from slotinfer.cli.demo import BATCHED, REVIEWS, SENTIMENTS, STREAMED
 
+pytestmark = pytest.mark.slow  # the demo as a subprocess
+
 SECTIONS = ("== chat prompts streamed", "== batch_generate", "== classify")
 # llama.cpp's GGUF loading lives in slotinfer/gguf*; the real model needs it
 GGUF_LOADING = any((Path(slotinfer.__file__).parent / "loading").glob("gguf*"))

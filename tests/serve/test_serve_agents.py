@@ -18,6 +18,8 @@ import slotinfer
 from slotinfer.serve import build_app
 from slotinfer.serve.background import serving
 
+pytestmark = pytest.mark.slow  # real agents (Codex, Claude Code) against the server
+
 NAME = "tiny"
 
 

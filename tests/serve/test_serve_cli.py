@@ -23,6 +23,7 @@ def model(folder):
     return slotinfer.load(folder)
 
 
+@pytest.mark.slow  # a subprocess of the CLI
 def test_version():
     out = subprocess.run([sys.executable, "-m", "slotinfer", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"slotinfer {slotinfer.__version__}"
@@ -131,6 +132,7 @@ def test_the_demos_help_names_its_model(capsys):
     assert "SmolLM2-135M-Instruct" in re.search(r"\n\s+demo\s+(.*?)\n\s+\w+  ", out, re.S)[1]
 
 
+@pytest.mark.slow  # a subprocess of the CLI
 def test_lengths_past_the_models_context_are_refused(folder, model, capsys):
     ctx = model.context_length
     rc, out, err = _cli(["generate", "--model", folder, "--max-tokens", str(ctx * 10), "hello"], capsys)

@@ -336,6 +336,7 @@ def _serve(model_dir, *flags):
     raise AssertionError("the server did not report its address: " + proc.stderr.read())
 
 
+@pytest.mark.slow  # the server as a subprocess
 def test_the_server_compiles_its_steps_before_its_address_and_counts_none_of_it(model_dir):
     """``serve --model M --prefill-tokens N`` (the flags every other command and docs/serve.md use) runs
     one short request before it prints its address, so the first client does not wait for MLX to
@@ -367,6 +368,7 @@ def test_the_server_compiles_its_steps_before_its_address_and_counts_none_of_it(
         proc.stderr.close()
 
 
+@pytest.mark.slow  # the server as a subprocess
 def test_past_the_grace_period_every_request_ends_once_with_its_answer(model_dir):
     """Requests still running when --grace-period runs out end as docs/serve.md says: a stream with an
     error event and [DONE], a whole request (a classify too) with a JSON 503; no traceback, and exit 0."""
@@ -505,6 +507,7 @@ def test_a_classify_whose_client_left_stops_at_its_next_batch(model):
         assert r.status_code == 200 and time.monotonic() - t0 < 2, time.monotonic() - t0
 
 
+@pytest.mark.slow  # the server as a subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_what_a_huge_prompt_took_is_given_back(model_dir):
     """Tokenizing 4 MB takes hundreds of MB, which glibc would keep for good: the server's RSS after
@@ -524,6 +527,7 @@ def test_what_a_huge_prompt_took_is_given_back(model_dir):
         proc.stderr.close()
 
 
+@pytest.mark.slow  # the server as a subprocess
 @pytest.mark.parametrize("flags,cached", [(["--prefix-cache-bytes", "64MiB", "--kv-dtype", "float16"], True),
                                           (["--no-prefix-cache"], False)])
 def test_the_prefix_cache_flags(model_dir, flags, cached):
@@ -559,6 +563,7 @@ def test_bad_byte_sizes_are_usage_errors(text):
         byte_size(text)
 
 
+@pytest.mark.slow  # the server as a subprocess
 def test_kv_cache_bytes_sizes_the_servers_pool(model_dir):
     """``--kv-cache-bytes`` of three 128-token blocks (two reserved) on the tiny model (256 KiB a
     block): /metrics says one free block, a request that needs more gets 400 naming max_tokens and
