@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from .errors import InvalidRequestError, PromptTooLongError
@@ -12,7 +11,8 @@ from .models import ModelConfig, Transformer
 class Checkpoint:
     """A loaded decoder: the network, its config, its tokenizer and end-of-sequence ids, with
     prompt encoding and chat rendering.  The engine runs one of these; it knows nothing of who
-    drives it (:class:`~slotinfer.model.Model` adds the library's functions as methods)."""
+    drives it (:class:`~slotinfer.model.Model` adds the structured-output compiler and the library's
+    functions as methods)."""
 
     def __init__(self, net: Transformer, config: ModelConfig, tokenizer, *, eos_ids, dtype, path: Path):
         self.net = net
@@ -24,15 +24,8 @@ class Checkpoint:
 
     def __repr__(self):
         c = self.config
-        return (f"{type(self).__name__}({self.path.name!r}, {c.model_type}, layers={c.num_layers}, hidden={c.hidden_size}, "
-                f"vocab={c.vocab_size}, dtype={self.dtype})")
-
-    @functools.cached_property
-    def grammars(self):
-        """The model's structured-output compiler (:mod:`slotinfer.engine.structured`), built on first use."""
-        from .engine.structured import Grammars
-
-        return Grammars(self.tokenizer, self.config.vocab_size, self.eos_ids)
+        return (f"{type(self).__name__}({self.path.name!r}, {c.model_type}, layers={c.num_layers}, "
+                f"hidden={c.hidden_size}, vocab={c.vocab_size}, dtype={self.dtype})")
 
     @property
     def context_length(self) -> int:

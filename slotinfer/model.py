@@ -8,11 +8,14 @@ line over a function that takes the model: :func:`slotinfer.engine.reference.gen
 
 from __future__ import annotations
 
+import functools
+
 from .batch import batch_generate
 from .checkpoint import Checkpoint
 from .classify import classify
 from .embed import embed
 from .engine.reference import generate
+from .engine.structured import Grammars
 from .prefill_jobs import score
 from .types import Completion
 
@@ -24,6 +27,11 @@ class Model(Checkpoint):
         >>> out = model.generate("Once upon a time", max_tokens=32)
         >>> out.text, out.finish_reason
     """
+
+    @functools.cached_property
+    def grammars(self):
+        """The model's structured-output compiler (:mod:`slotinfer.engine.structured`), built on first use."""
+        return Grammars(self.tokenizer, self.config.vocab_size, self.eos_ids)
 
     # -- the reference path ----------------------------------------------------
 
