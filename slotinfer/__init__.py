@@ -5,6 +5,8 @@
     >>> model.generate("Hello", max_tokens=16).text
 """
 
+import sys as _sys
+
 from .cpu import blas as _blas
 
 # An optimized BLAS must be loaded globally before mlx.core is first imported:
@@ -18,6 +20,9 @@ from .types import BatchResult, ClassifyResult, Completion  # noqa: E402,F401
 from .handle import Handle, StreamEvent  # noqa: E402,F401
 from .inferencer import Inferencer  # noqa: E402,F401
 from .queues import QueuedRequest as Request  # noqa: E402,F401  (the serve_queue record)
+from .text import tools  # noqa: E402  (text/tools.py, also at slotinfer.tools: the path earlier docs showed)
+
+_sys.modules[__name__ + ".tools"] = tools
 
 __version__ = "0.1.0"
 
