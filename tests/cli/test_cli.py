@@ -83,6 +83,7 @@ def test_bench_slots_parse_to_ints():
     assert p.parse_args(["--slots", "2, 4"]).slots == [2, 4]
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_generate_into_a_closed_pipe_exits_quietly(model_dir, head_1):
     prompts = "".join(f"prompt {i}\n" for i in range(3000)).encode()
     rc, first, err = head_1(["generate", "--model", model_dir("qwen3"), "--max-tokens", "1"], prompts)

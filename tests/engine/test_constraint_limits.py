@@ -110,6 +110,7 @@ def test_every_shape_is_served_or_refused_by_name(model_dir, cases):
             (field, what, detail)
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_the_chains_that_crashed_the_compiler(model_dir, tmp_path):
     """3,000 chained Lark rules and 2,500 chained $refs overflowed the native stack (SIGSEGV)."""
     outcomes = run_child(model_dir("llama"), [("grammar", lark_chain(3000)), ("json_schema", ref_chain(2500))])

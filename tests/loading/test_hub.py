@@ -135,6 +135,7 @@ def test_an_uncached_id_is_a_typed_error_that_says_how_to_get_it(tmp_path):
     assert msg.index("the current folder") < msg.index("Hugging Face"), msg
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_the_cli_takes_an_id(tmp_path):
     folder = make_tiny_model("qwen3", tmp_path / "model")
     write_cache(tmp_path / "hf", REPO, MAIN, folder)

@@ -340,6 +340,7 @@ def _slotinfer(*args, **kw):
     return subprocess.run([sys.executable, "-m", "slotinfer", *map(str, args)], capture_output=True, timeout=240, **kw)
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_output_to_dev_stdout_in_a_pipe_does_not_hang(folder, tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("good one\nanother\n")
@@ -348,6 +349,7 @@ def test_output_to_dev_stdout_in_a_pipe_does_not_hang(folder, tmp_path):
     assert proc.returncode == 0 and [r["id"] for r in recs] == [1, 2]
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_ctrl_c_exits_130_in_one_line_and_the_run_resumes(folder, tmp_path):
     src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
     n = 20000
@@ -372,6 +374,7 @@ def test_ctrl_c_exits_130_in_one_line_and_the_run_resumes(folder, tmp_path):
     assert proc.returncode == 0 and sorted(ids) == list(range(1, n + 1))
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_generate_refuses_to_write_over_its_stdin(folder, tmp_path, capsys, monkeypatch):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello there\nsecond\n")
