@@ -97,7 +97,7 @@ import slotinfer  # noqa: E402  (loads the BLAS before mlx.core)
 import mlx.core as mx  # noqa: E402
 
 from slotinfer.classify import classify, default_token_budget  # noqa: E402
-from slotinfer.encoder import plan_batches  # noqa: E402
+from slotinfer.engine.encoder import plan_batches  # noqa: E402
 from slotinfer.testing import make_tiny_model  # noqa: E402
 
 QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,

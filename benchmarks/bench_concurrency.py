@@ -16,7 +16,7 @@ from pathlib import Path
 
 import slotinfer  # first: installs the BLAS before mlx.core loads
 from slotinfer.cli.bench import bench_model_path, engine_tokens_per_s, slot_counts
-from slotinfer._svg import svg_plot
+from slotinfer.cli._svg import svg_plot
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

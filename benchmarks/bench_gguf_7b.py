@@ -6,7 +6,7 @@ temporary folder deleted after.  A fresh process loads it and reports the load's
 peak resident memory, the resident memory once loaded, the model's weight bytes against the
 file's size, and greedy decode tokens/s on the engine with one and two sequences (rows over the
 median step of a run, then the median of ``--repeats`` interleaved runs), whose tokens it also gives alone
-(``Model.generate``), for tests/test_gguf_7b.py to compare.
+(``Model.generate``), for tests/loading/test_gguf_7b.py to compare.
 
     python benchmarks/bench_gguf_7b.py                   # write, measure, delete
     python benchmarks/bench_gguf_7b.py --tokens 32 --repeats 5 --dir /var/tmp
@@ -29,7 +29,7 @@ import json, resource, sys, time
 import slotinfer
 from mlx.utils import tree_flatten
 from slotinfer.cli.bench import step_until_idle
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 
 def rss():
     with open("/proc/self/status") as f:

@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 import slotinfer  # first: installs the BLAS before mlx.core loads
-from slotinfer import default_model, device, gguf, loader
+from slotinfer import default_model, device
+from slotinfer.loading import gguf, loader
 from slotinfer.cli.bench import CACHE
-from slotinfer.tokenizer import Tokenizer
+from slotinfer.text.tokenizer import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gguf_fixtures import T, llama_cpp_q4_k_m, requantize  # noqa: E402

@@ -22,7 +22,7 @@ import statistics
 import slotinfer  # first: installs the BLAS before mlx.core loads
 from slotinfer import default_model
 from slotinfer.cli.common import byte_size
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 
 
 def main():

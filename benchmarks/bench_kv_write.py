@@ -7,7 +7,7 @@ slot table of ``--capacity`` columns at each slot's own position, for ``--layers
 - rows: the layer viewed as ``[slots * heads * capacity, head_dim]`` and written with one
   advanced index per (slot, head) row, ``flat[index] = new`` (MLX's ``Scatter``);
 - flat: the layer viewed as one dimension and written with ``put_along_axis`` at one offset
-  per element (``slotinfer.slots``: what the engine uses).
+  per element (``slotinfer.kv.slot_table``: what the engine uses).
 
 Prints the median time per step's writes of each, alternated, and checks they agree.
 
@@ -21,7 +21,7 @@ import time
 
 import slotinfer  # noqa: F401  (first: installs the BLAS before mlx.core loads)
 import mlx.core as mx
-from slotinfer.slots import scatter
+from slotinfer.kv.slot_table import scatter
 
 
 def rows_form(cache, rows_index, new):

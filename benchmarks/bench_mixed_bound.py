@@ -31,7 +31,7 @@ from slotinfer.cli.bench import MIXED_MAX_LEN as MAX_LEN
 from slotinfer.cli.bench import mixed_inferencer, mixed_requests
 from slotinfer.kv import KV_BLOCK_SIZE as SPAN_BUCKET  # a decode step's span is rounded up to whole blocks
 from slotinfer.cli.demo import demo_model_path
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 
 from schedules import diluted_ratio, schedule_spans, schedule_steps  # benchmarks/, beside this script
 

@@ -51,7 +51,7 @@ import time
 import slotinfer  # noqa: F401  (first: installs the BLAS before mlx.core loads)
 import mlx.core as mx
 from slotinfer import device
-from slotinfer.cache import window_mask
+from slotinfer.kv.views import window_mask
 from slotinfer.cpu import fastmath
 from slotinfer.kv import paged_attend
 from slotinfer.models.transformer import attend, attend_split, cpu_streams

@@ -21,7 +21,7 @@ import time
 
 import slotinfer  # first: installs the BLAS before mlx.core loads
 from slotinfer import default_model
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 from slotinfer.kv import KV_BLOCK_SIZE, block_bytes
 
 

@@ -30,10 +30,10 @@ import slotinfer  # noqa: F401  (first: installs the BLAS before mlx.core loads)
 import mlx.core as mx
 from slotinfer.cli.demo import demo_model_path
 from slotinfer.device import prefill_by_layer
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 from slotinfer.cpu import fastmath
 from slotinfer.models import transformer as T
-from slotinfer.slots import PrefillView
+from slotinfer.kv.slot_table import PrefillView
 
 
 def alternate(variants: dict, rounds: int) -> dict:

@@ -28,7 +28,7 @@ import numpy as np
 import slotinfer  # first: installs the BLAS before mlx.core loads
 from slotinfer import default_model
 from slotinfer.cli.bench import prompts_of
-from slotinfer.structured import Grammars, words
+from slotinfer.engine.structured import Grammars, words
 
 ENDLESS = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 40},
                                                       "minItems": 10_000}}, "required": ["notes"]}

@@ -18,9 +18,9 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from slotinfer import default_model
-from slotinfer.templates import _raise_from_template, compile_template, render
+from slotinfer.text.templates import _raise_from_template, compile_template, render
 from slotinfer.testing.tokenizers import _template
-from slotinfer.tokenizer import _jinja_env
+from slotinfer.text.tokenizer import _jinja_env
 
 
 def real_templates() -> dict[str, str]:

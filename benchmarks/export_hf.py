@@ -14,9 +14,10 @@ from pathlib import Path
 
 import slotinfer  # first: installs the BLAS before mlx.core loads
 import mlx.core as mx
-from slotinfer import default_model, gguf
+from slotinfer import default_model
+from slotinfer.loading import gguf
 from slotinfer.cli.bench import CACHE
-from slotinfer.tokenizer import Tokenizer
+from slotinfer.text.tokenizer import Tokenizer
 
 
 def export(src: Path, out: Path) -> Path:

@@ -43,11 +43,11 @@ import mlx.core as mx
 import numpy as np
 
 from slotinfer import device
-from slotinfer.cache import SequenceCache
+from slotinfer.kv.views import SequenceCache
 from slotinfer.kv import BlockPool, write_index
 from slotinfer.kv.paged_attention import PagedDecodeView, PagedKV
 from slotinfer.models import transformer
-from slotinfer.slots import scatter
+from slotinfer.kv.slot_table import scatter
 
 
 @contextlib.contextmanager

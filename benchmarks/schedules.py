@@ -2,7 +2,7 @@
 
 Lab tools for ``bench_mixed_bound.py``, kept out of the shipped package: the step counts
 each schedule needs, each step's attention span, and how a prefill both modes share
-dilutes their ratio.  ``tests/test_schedules.py`` checks them against independent replays.
+dilutes their ratio.  ``tests/engine/test_schedules.py`` checks them against independent replays.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Model reaches it only when ``Model.batch_generate`` is called.
 from __future__ import annotations
 
 from . import request
-from .engine import Engine
+from .engine.engine import Engine
 from .errors import InvalidRequestError
 from .types import BatchResult
 

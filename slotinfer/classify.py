@@ -47,7 +47,7 @@ Semantics (chosen so that every path computes the same numbers):
   head is applied at each of those positions (only there).
 * **Choosing.**  Without labels, ``.token`` is the argmax of the logits
   (``temperature=0``) or a seeded draw with the usual ``top_k``/``top_p``/
-  ``min_p`` filters (:func:`slotinfer.sampling.sample`); prompt ``i`` draws with
+  ``min_p`` filters (:func:`slotinfer.engine.sampling.sample`); prompt ``i`` draws with
   seed ``seed + i``, exactly as ``model.generate(ids_i, seed=seed + i,
   max_tokens=1)`` would.  With labels the choice is restricted to the label set:
   the same rule applied to the ``[labels]`` scores.
@@ -74,9 +74,9 @@ import mlx.core as mx
 import numpy as np
 
 from . import request
-from .encoder import FAR, SegmentView, SharedPrefix, forward, last_hidden, plan_batches
+from .engine.encoder import FAR, SegmentView, SharedPrefix, forward, last_hidden, plan_batches
 from .errors import InvalidRequestError, PromptTooLongError
-from .sampling import SamplingParams, sample
+from .engine.sampling import SamplingParams, sample
 from .types import ClassifyResult
 
 __all__ = ["classify", "ClassifyJob", "default_token_budget", "encode_labels", "LabelSet"]

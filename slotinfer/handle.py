@@ -6,6 +6,7 @@ Thread-safe: the worker fills it, any thread (or an asyncio loop) reads it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from concurrent.futures import Future
@@ -147,3 +148,45 @@ class Handle:
             pass
         finally:
             self._push(_END)
+
+
+class ClassifyHandle:
+    """A classification queued with :meth:`Inferencer.submit_classify` (embeddings and prompt log-probs,
+    :meth:`Inferencer.submit_embed` and :meth:`Inferencer.submit_score`, get the same handle).
+
+    :meth:`result` waits for the list of :class:`ClassifyResult`; ``await handle`` does so in
+    asyncio code.  :meth:`cancel` (from any thread) stops it before its next unit of work: its
+    result then raises :class:`Cancelled`.
+    """
+
+    def __init__(self, job):
+        self.job = job
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+        self._cancelled = False
+
+    def cancel(self):
+        """Stop the classification at its next unit of work (a no-op once it ended)."""
+        self._cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list:
+        """The results, in input order; raises what ended the classification (:class:`Cancelled`, say)."""
+        return self._future.result(timeout)
+
+    def __await__(self):
+        return asyncio.wrap_future(self._future).__await__()
+
+    def _end(self, result=None, error: BaseException | None = None):
+        if self._future.done():
+            return
+        if error is not None:
+            self._future.set_exception(error)
+        else:
+            self._future.set_result(result)
+        self.job = None  # its arrays and tokens go with it

@@ -8,39 +8,34 @@ A background thread owns the slot table and runs the engine loop; producers on a
 thread (or an asyncio loop) submit requests and get :class:`Handle` objects back.  The same
 thread runs classifications (:meth:`Inferencer.submit_classify`), one unit of work after each
 engine step.
-Worker threads outlive their Inferencer and serve the next one (see :class:`_Workers`).
+Worker threads outlive their Inferencer and serve the next one (see :class:`~slotinfer.workers.Workers`).
 
 The Inferencer only hands work between threads: a request waits for its slot in the
 engine's one queue, and every request ends through the engine's item processor, even when
 the worker itself fails or the Inferencer is dropped unclosed.
 
-Why one module: the thread handoff, the asyncio API, serve_queue and the worker's lifecycle
-share one lock and one inbox.
+This module keeps that handoff (the lock, the inbox, the worker's turn and lifecycle); the
+worker threads are :mod:`slotinfer.workers`, the job handle :class:`~slotinfer.handle.ClassifyHandle`
+and the ``serve_queue`` records :mod:`slotinfer.queues`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import functools
-import queue
-import sys
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
-import mlx.core as mx
 
 from . import request
-from .engine import Engine
-from .errors import Cancelled, EngineClosed, EngineError, InvalidRequestError, QueueFull
-from .handle import Handle
+from .engine.engine import Engine
+from .errors import Cancelled, EngineClosed, EngineError, QueueFull
+from .handle import ClassifyHandle, Handle
+from .queues import QueuedRequest, serve_queue
 from .types import Completion
-
+from .workers import WORKERS
 
 _live: "weakref.WeakSet[Inferencer]" = weakref.WeakSet()
 # Started Inferencers with work in hand: kept alive until it is done even if their user drops
@@ -53,62 +48,6 @@ def _close_live():
     """A program that exits without closing its Inferencer still ends every request (cancelled)."""
     for inf in list(_live):
         inf.close(drain=False, timeout=10)
-
-
-class _Workers:
-    """The threads that run Inferencers' engine loops, each kept for the next Inferencer.
-
-    MLX gives every thread that runs ops streams of its own (the worker's, and the CPU
-    policy's attention streams), each served by a thread that lives as long as the process.
-    A new thread per Inferencer would leave those behind at every close; reusing the
-    workers keeps them to one set per Inferencer open at a time.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue] = []
-
-    def run(self, fn) -> threading.Event:
-        """Run ``fn()`` on an idle worker (or a new one); the event is set once it returned."""
-        done = threading.Event()
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name="slotinfer-worker", daemon=True).start()
-        inbox.put((fn, done))
-        return done
-
-    def _serve(self, inbox):
-        stream = mx.new_stream(mx.default_device())
-        while True:
-            fn, done = inbox.get()
-            try:
-                with mx.stream(stream):
-                    fn()
-            except BaseException:  # a bug in the loop: reported, and the worker serves on
-                sys.excepthook(*sys.exc_info())
-            finally:
-                mx.synchronize(stream)  # no device work of one Inferencer outlives its run
-                # Waiting idle, hold nothing of the last run: its job may refer to an Inferencer,
-                # whose slot table must be freed once its user lets go of it.
-                fn = None
-                with self._lock:
-                    self._idle.append(inbox)
-                done.set()
-                done = None
-
-
-_workers = _Workers()
-
-
-@dataclass
-class Request:
-    """A request for :meth:`Inferencer.serve_queue`: a prompt, its parameters and your id."""
-
-    prompt: object
-    params: dict = field(default_factory=dict)
-    id: object = None
 
 
 class Inferencer:
@@ -181,7 +120,7 @@ class Inferencer:
             if self._done is None:
                 # The worker holds the Inferencer weakly while idle, so one dropped without close()
                 # is freed, its slot table with it, once its requests are done.
-                self._done = _workers.run(functools.partial(_work, weakref.ref(self)))
+                self._done = WORKERS.run(functools.partial(_work, weakref.ref(self)))
                 _live.add(self)
                 _working.add(self)  # until its worker finds it idle
         return self
@@ -412,44 +351,15 @@ class Inferencer:
     def serve_queue(self, in_q, out_q, *, sentinel=None):
         """Consume requests from ``in_q`` until ``sentinel``; put a :class:`Completion` per request on ``out_q``.
 
-        A request is a prompt, a :class:`Request`, or a dict with ``prompt`` and parameters
-        (and optionally ``id``).  Each completion carries ``.request_id``: the request's ``id``,
+        A request is a prompt, a :class:`~slotinfer.queues.QueuedRequest` (``slotinfer.Request``), or a
+        dict with ``prompt`` and parameters (and optionally ``id``).  Each completion carries ``.request_id``: the request's ``id``,
         or its 0-based position among the items read from ``in_q`` when it has none; a request that
         failed, or was malformed, gets ``finish_reason == "error"`` and ``.error``.  Returns
         once every request's completion is on ``out_q``, after putting ``sentinel`` there.
         A full admission queue blocks the reading of ``in_q`` (backpressure); ``out_q`` is
         written by a thread of its own, so a slow or bounded ``out_q`` never stalls the engine.
         """
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        count = 0
-
-        def forward():
-            sent, total = 0, None
-            while total is None or sent < total:
-                c = done.get()
-                if isinstance(c, _Total):
-                    total = c.n
-                    continue
-                out_q.put(c)
-                sent += 1
-            out_q.put(sentinel)
-
-        forwarder = threading.Thread(target=forward, name="slotinfer-serve-queue", daemon=True)
-        forwarder.start()
-        try:
-            while (req := in_q.get()) is not sentinel:
-                rid = _request_id(req, count)
-                count += 1
-                try:
-                    prompt, params = _request_parts(req)
-                    handle = self.submit(prompt, **params)
-                except Exception as e:  # a malformed or invalid request ends as its own error completion
-                    done.put(_failed(rid, e))
-                    continue
-                handle._future.add_done_callback(lambda f, rid=rid: done.put(_outcome(rid, f)))
-        finally:
-            done.put(_Total(count))
-            forwarder.join()
+        serve_queue(self, in_q, out_q, sentinel=sentinel)
 
     # -- reporting --------------------------------------------------------------
 
@@ -586,92 +496,6 @@ def _abandoned(inbox, jobs, engine):
         job._end(error=error)
 
 
-class ClassifyHandle:
-    """A classification queued with :meth:`Inferencer.submit_classify` (embeddings and prompt log-probs,
-    :meth:`Inferencer.submit_embed` and :meth:`Inferencer.submit_score`, get the same handle).
+Request = QueuedRequest  # the name slotinfer exports
 
-    :meth:`result` waits for the list of :class:`ClassifyResult`; ``await handle`` does so in
-    asyncio code.  :meth:`cancel` (from any thread) stops it before its next unit of work: its
-    result then raises :class:`Cancelled`.
-    """
-
-    def __init__(self, job):
-        self.job = job
-        self._future: concurrent.futures.Future = concurrent.futures.Future()
-        self._cancelled = False
-
-    def cancel(self):
-        """Stop the classification at its next unit of work (a no-op once it ended)."""
-        self._cancelled = True
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> list:
-        """The results, in input order; raises what ended the classification (:class:`Cancelled`, say)."""
-        return self._future.result(timeout)
-
-    def __await__(self):
-        return asyncio.wrap_future(self._future).__await__()
-
-    def _end(self, result=None, error: BaseException | None = None):
-        if self._future.done():
-            return
-        if error is not None:
-            self._future.set_exception(error)
-        else:
-            self._future.set_result(result)
-        self.job = None  # its arrays and tokens go with it
-
-
-@dataclass(frozen=True)
-class _Total:
-    n: int
-
-
-def _request_id(req, position: int):
-    """The id a completion carries: the request's own, else its position in ``in_q`` (0-based)."""
-    if isinstance(req, Request):
-        rid = req.id
-    else:
-        rid = req.get("id") if isinstance(req, dict) else None
-    return position if rid is None else rid
-
-
-def _request_parts(req) -> tuple[object, dict]:
-    if isinstance(req, Request):
-        if not isinstance(req.params, Mapping):
-            raise InvalidRequestError(f"Request.params must be a dict of parameters (or left out), "
-                                      f"got {request.short(req.params)}")
-        prompt, params = req.prompt, dict(req.params)
-    elif isinstance(req, dict):
-        if "prompt" not in req:
-            raise InvalidRequestError(f"a request dict needs a 'prompt' key (and optionally 'id' and parameters); "
-                                      f"got keys {request.some(list(req))}")
-        prompt, params = req["prompt"], {k: v for k, v in req.items() if k not in ("prompt", "id")}
-    else:
-        return req, {}
-    request.check_names(params, (*request.SUBMIT, "messages"))  # before they become keywords of submit
-    return prompt, params
-
-
-def _outcome(request_id, future) -> Completion:
-    err = future.exception()
-    if err is not None:
-        return _failed(request_id, err)
-    c = future.result()
-    c.request_id = request_id
-    return c
-
-
-def _failed(request_id, err) -> Completion:
-    c = Completion(tokens=[], text="", finish_reason="error")
-    c.request_id, c.error = request_id, err
-    return c
-
-
-__all__ = ["Inferencer", "Request", "ClassifyHandle", "EngineError"]
+__all__ = ["Inferencer", "Request", "QueuedRequest", "ClassifyHandle", "EngineError"]

@@ -1,9 +1,9 @@
 """Prefill-only jobs beside the engine: prompt log-probs (scoring) and embeddings.
 
 Both run as :func:`slotinfer.classify.classify` does: prompts are sorted by length and cut
-into batches of at most ``token_budget`` padded tokens (:func:`~slotinfer.encoder.plan_batches`),
-each batch is one forward (:func:`~slotinfer.encoder.forward` through a
-:class:`~slotinfer.encoder.SegmentView`), and a job is a sequence of such units run by
+into batches of at most ``token_budget`` padded tokens (:func:`~slotinfer.engine.encoder.plan_batches`),
+each batch is one forward (:func:`~slotinfer.engine.encoder.forward` through a
+:class:`~slotinfer.engine.encoder.SegmentView`), and a job is a sequence of such units run by
 :meth:`PrefillJob.advance`.  Run back to back they are :func:`score` and
 :func:`slotinfer.embed.embed`; an :class:`~slotinfer.Inferencer`'s worker runs one unit between
 two engine steps (:meth:`~slotinfer.Inferencer.submit_score`,
@@ -28,7 +28,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .encoder import SegmentView, forward, plan_batches
+from .engine.encoder import SegmentView, forward, plan_batches
 from .errors import InvalidRequestError
 
 __all__ = ["PrefillJob", "ScoreJob", "PromptScores", "score", "MAX_TOP_LOGPROBS"]

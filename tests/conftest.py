@@ -28,7 +28,7 @@ def _loop_sets():
 
 @pytest.fixture(params=_loop_sets())
 def kernels(request):
-    """Each loop set of slotinfer's native extension in turn (tests/test_qkernel.py, test_decode_ops.py)."""
+    """Each loop set of slotinfer's native extension in turn (tests/cpu/test_qkernel.py, test_decode_ops.py)."""
     from slotinfer.cpu import qkernel
 
     module = qkernel.load()

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer.cache import SequenceCache
+from slotinfer.kv.views import SequenceCache
 from slotinfer.classify import classify, encode_labels
 from slotinfer.cli.classify import main
 from slotinfer.cli.jobs import parse_template, resume
-from slotinfer.encoder import SegmentView, plan_batches
+from slotinfer.engine.encoder import SegmentView, plan_batches
 from slotinfer.errors import InvalidRequestError, PromptTooLongError
 from slotinfer.testing import FAMILIES, make_tiny_model
 
@@ -397,6 +397,7 @@ def test_cli_prefix_too_long_stops_before_any_output(tiny, tmp_path, capsys, how
     assert rc == 2 and not out.exists() and err.startswith(f"slotinfer classify: error: {extra[0]}") and want in err
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_cli_into_a_closed_pipe_exits_quietly(tiny, head_1):
     lines = "".join(f"sentence number {i}\n" for i in range(3000)).encode()
     rc, first, err = head_1(["classify", "--model", tiny["qwen3"][0], "--labels", "a,b", "-q", "-"], lines)

@@ -235,6 +235,7 @@ def test_queue_full_is_the_only_refusal_of_a_valid_request(solo):
     assert (st_["submitted"], st_["refused"]) == (len(accepted), refused) == (2, 4)
 
 
+@pytest.mark.slow  # the CLI's soak run as a subprocess
 def test_the_soak_command_prints_rss_and_variants(tmp_path):
     """``slotinfer bench --soak N``: a line of RSS and compiled variants every N/10 requests,
     then how every request ended."""

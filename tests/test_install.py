@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a pip build and install
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # pip's PEP 517 steps (with `build`, the PyPA's frontend made for them): a fresh isolated environment

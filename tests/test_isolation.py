@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import slotinfer
-from slotinfer.cache import SequenceCache
-from slotinfer.engine import Engine
+from slotinfer.kv.views import SequenceCache
+from slotinfer.engine.engine import Engine
 from slotinfer.errors import EngineError, QueueFull
-from slotinfer.item_processor import ItemProcessor, State
+from slotinfer.engine.item_processor import ItemProcessor, State
 
 PROMPT = "Hello there, how are you today?"
 OTHER = "The quick brown fox jumps over the lazy dog."

@@ -39,7 +39,7 @@ pytest.importorskip("transformers", minversion="5.0")  # rope_parameters, save_o
 import mlx.core as mx  # noqa: E402
 
 import slotinfer  # noqa: E402
-from slotinfer.cache import SequenceCache  # noqa: E402
+from slotinfer.kv.views import SequenceCache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helper module sits beside this file
 from parity_fixtures import CASES, GEMMA_WINDOW, load_reference, write_checkpoint  # noqa: E402

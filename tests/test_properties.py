@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slotinfer.engine import Engine
+from slotinfer.engine.engine import Engine
 from slotinfer.errors import PromptTooLongError
 from slotinfer.kv import KV_BLOCK_SIZE, block_bytes
 from slotinfer.testing import FAMILIES

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 ray = pytest.importorskip("ray", reason="Ray Data is the optional extra slotinfer[ray]")
 # Ray Data's own defaults set options it deprecates, each time it builds its context: nothing slotinfer does
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+pytestmark = [pytest.mark.slow,  # a local Ray cluster and a Ray job
+              pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")]
 pq = pytest.importorskip("pyarrow.parquet")
 
 import slotinfer  # noqa: E402

@@ -109,6 +109,7 @@ def documented_server(tmp_path_factory):
             proc.wait()
 
 
+@pytest.mark.slow  # the documented server as a subprocess
 @pytest.mark.parametrize("i", range(len(CLIENTS)), ids=[f"{page}-{i}" for i, (page, _) in enumerate(CLIENTS)])
 def test_a_client_example_runs_against_the_documented_server(i, documented_server, tmp_path):
     page, block = CLIENTS[i]
@@ -123,6 +124,7 @@ def test_a_client_example_runs_against_the_documented_server(i, documented_serve
 
 # -- the README's classify command -----------------------------------------------------------------
 
+@pytest.mark.slow  # the CLI as a subprocess
 @needs_model
 def test_the_readme_classify_command_gives_the_labels_it_shows(tmp_path):
     """The command line as written (PATH: the default model), on the sentences the README names:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import slotinfer
 from slotinfer import request
 from slotinfer.errors import InvalidRequestError, PromptTooLongError
-from slotinfer.sampling import SamplingParams
+from slotinfer.engine.sampling import SamplingParams
 from test_cli import _cli
 from test_serve_cli import folder, model  # noqa: F401 - the qwen3 folder and its model, as fixtures
 

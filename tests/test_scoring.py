@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer.cache import SequenceCache
+from slotinfer.kv.views import SequenceCache
 from slotinfer.embed import pooling_of
 from slotinfer.errors import InvalidRequestError
 from slotinfer.testing.embedding import make_tiny_embedding_model

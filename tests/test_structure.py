@@ -1,5 +1,7 @@
-"""The package's shape: no module imports (even lazily, inside a function) a module that imports it;
-every variable is read in one place; a benchmark loads slotinfer before MLX."""
+"""The package's shape: no module imports (even lazily, inside a function) a module that imports it,
+nor does any room (a folder of the package, or a module at its root); the folders and root modules
+are the rooms docs/architecture.md names; the checkpoint sits below the engine; every variable is
+read in one place; a benchmark loads slotinfer before MLX."""
 
 import ast
 from pathlib import Path
@@ -73,9 +75,70 @@ def test_the_checker_finds_a_cycle():
 def test_no_import_cycles():
     mods = _modules()
     graph = {name: _imports(name, path, mods) for name, path in mods.items()}
-    assert "slotinfer.engine" in graph["slotinfer.batch"]  # the graph holds what it should,
-    assert "slotinfer.batch" in graph["slotinfer.model"]  # lazy imports inside functions included
+    assert "slotinfer.engine.engine" in graph["slotinfer.batch"]  # the graph holds what it should,
+    assert "slotinfer.text.gguf_tokenizer" in graph["slotinfer.text.tokenizer"]  # lazy imports included
     assert _cycles(graph) == []
+
+
+def _room(module: str) -> str:
+    """The room a module stands in: its folder under the package, or itself at the root."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_room_imports_a_room_that_imports_it():
+    mods = _modules()
+    rooms: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        if name == "slotinfer":
+            continue
+        rooms.setdefault(_room(name), set()).update(
+            _room(m) for m in _imports(name, path, mods) if m != "slotinfer" and _room(m) != _room(name))
+    assert {"slotinfer.kv", "slotinfer.text"} <= rooms["slotinfer.engine"]  # the graph holds what it should
+    assert _cycles(rooms) == []
+
+
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+def test_the_checkpoint_sits_below_the_engine():
+    """The engine runs a checkpoint and never imports it; the checkpoint imports nothing that drives it."""
+    mods = _modules()
+    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    below = _reaches(graph, "slotinfer.checkpoint")
+    assert not below & {"slotinfer.engine.engine", "slotinfer.batch", "slotinfer.classify", "slotinfer.model",
+                        "slotinfer.inferencer"}, sorted(below)
+    assert "slotinfer.checkpoint" in _reaches(graph, "slotinfer.model")
+    assert "slotinfer.model" not in _reaches(graph, "slotinfer.engine.engine")
+
+
+def _documented_rooms() -> tuple[set[str], set[str]]:
+    """The folders (``name/``) and root modules (``name.py``) in docs/architecture.md's table of rooms."""
+    import re
+
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    table = text.split("## The rooms", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("|") and "---" not in line][1:]
+    where = " ".join(row.split("|")[2] for row in rows)  # the second column: where the room lives
+    names = re.findall(r"`([\w.]+/?)`", where)
+    return {n.rstrip("/") for n in names if n.endswith("/")}, {n for n in names if n.endswith(".py")}
+
+
+def test_the_folders_are_the_rooms_the_architecture_page_names():
+    folders, root = _documented_rooms()
+    assert folders and root  # the parser finds the table
+    here = {p.parent.name for p in PKG.glob("*/__init__.py")}
+    assert here == folders, f"folders not in docs/architecture.md: {sorted(here - folders)}; " \
+                            f"named there but absent: {sorted(folders - here)}"
+    at_root = {p.name for p in PKG.glob("*.py")}
+    assert at_root == root, f"root modules not in docs/architecture.md: {sorted(at_root - root)}; " \
+                            f"named there but absent: {sorted(root - at_root)}"
 
 
 def test_every_slotinfer_variable_is_read_in_settings_and_documented():

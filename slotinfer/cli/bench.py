@@ -25,7 +25,7 @@ from pathlib import Path
 import slotinfer
 
 from .. import default_model
-from ..engine import Engine
+from ..engine.engine import Engine
 from .bench_common import CACHE, alternating_order, bench_model_path
 
 
@@ -75,7 +75,7 @@ def prompts_of(model, n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def step_until_idle(engine) -> list[tuple[float, float]]:
-    """Step ``engine`` (a :class:`slotinfer.engine.Engine`) until it is idle: each step's wall and
+    """Step ``engine`` (a :class:`slotinfer.engine.engine.Engine`) until it is idle: each step's wall and
     process CPU seconds."""
     times = []
     while engine.busy:

@@ -215,7 +215,7 @@ def run(args) -> int:
         if server is not None:
             server.close()
     if args.plot:
-        from .._svg import svg_plot
+        from ._svg import svg_plot
 
         series = {("slotinfer serve" if server else args.url): medians["server"]}
         if len(medians["in-process"]) == len(counts):

@@ -163,7 +163,7 @@ def _write_all(texts, handles, failed, out, progress=None, model=None) -> int:
     """One record per prompt, in input order (the prompt recorded is the user's text, never the
     template); returns how many are errors.  With logprobs, tokens are shown by their text, as the
     server shows them, with their ids beside."""
-    from ..token_text import TokenText
+    from ..text.token_text import TokenText
 
     errors, text_of = 0, TokenText(model.tokenizer).text if model is not None else None
     for i, (text, h) in enumerate(zip(texts, handles)):

@@ -32,7 +32,7 @@ def parse_template(path: str) -> tuple[str | None, str]:
         import jinja2
 
         from ..errors import InvalidRequestError
-        from ..templates import compile_template, render, sandboxed_environment
+        from ..text.templates import compile_template, render, sandboxed_environment
 
         try:  # the chat templates' sandbox: a template file may come from anyone
             env = sandboxed_environment(keep_trailing_newline=True)

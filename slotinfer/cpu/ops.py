@@ -14,7 +14,7 @@ device it runs on; :func:`slotinfer.device.model_ops` picks one per device:
   over pool blocks are its primitives, one MLX node each where the ops above take five to
   thirty-five: at one row a decode step's cost is MLX's cost per node.
 
-Both compute the same functions (``tests/test_fastmath.py`` holds them to float32
+Both compute the same functions (``tests/cpu/test_fastmath.py`` holds them to float32
 tolerance); they differ in speed only.
 """
 

@@ -26,9 +26,9 @@ What *is* exact is the paged form against itself: a row's output depends only on
 its blocks' contents and its mask, never on the other rows, on padding blocks past its length
 (``ZERO`` blocks under zero weights add exact zeros to the chain) or on where its blocks lie in
 the pool.  So the reference a batched engine is held to must read through this function too,
-with the same block size (tests/test_paged_attention.py holds both statements).
+with the same block size (tests/kv/test_paged_attention.py holds both statements).
 
-Writes go through :func:`write_index` and :func:`slotinfer.cache.scatter`: one flat
+Writes go through :func:`write_index` and :func:`slotinfer.kv.views.scatter`: one flat
 ``put_along_axis`` per layer, as the slot table writes today.
 """
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import SequenceCache, scatter, window_mask
+from .views import SequenceCache, scatter, window_mask
 from ..cpu.ops import MLX_OPS, Ops
 from ..errors import InvalidRequestError
 from ..models.transformer import cpu_streams
@@ -50,7 +50,7 @@ def write_index(blocks, offsets, *, kv_heads: int, block_size: int, head_dim: in
 
     ``blocks`` and ``offsets`` are [n, L] (from :meth:`~slotinfer.kv.BlockPool.locate`; padding
     tokens go to ``TRASH``); the result is [n * kv_heads * L * head_dim], in the order of a
-    ``[n, kv_heads, L, head_dim]`` update, as :meth:`slotinfer.slots.SlotTable.flat_index` gives
+    ``[n, kv_heads, L, head_dim]`` update, as :meth:`slotinfer.kv.slot_table.SlotTable.flat_index` gives
     for the slot table (int64 only when a layer's pool holds 2**31 elements or more).
     """
     h, bs, d = kv_heads, block_size, head_dim

@@ -91,7 +91,7 @@ class RoPE(nn.Module):
         made once per step, by ``mx.fast.rope`` itself (of a probe whose first half is ones and
         second half zeros: ``1 * cos - 0 * sin``, ``1 * sin + 0 * cos``), and each layer applies
         them with the expressions ``mx.fast.rope`` uses, the same values bit for bit
-        (tests/test_fastmath.py).
+        (tests/cpu/test_fastmath.py).
         """
         if tables is None or x.shape[2] != 1:
             return self._rope(x, offset)
@@ -301,7 +301,7 @@ def layer_by_layer(kv, tokens: int, threshold: int):
     """An ``after_layer`` for :meth:`Transformer.__call__` when a forward of ``tokens`` tokens
     reaches ``threshold`` (> 0), else None: it evaluates each layer's output and its K/V writes
     before the next layer is queued.  ``kv`` holds the ``keys`` and ``values`` lists written to
-    (the slot table, a :class:`~slotinfer.cache.SequenceCache`), read at each call.  MLX
+    (the slot table, a :class:`~slotinfer.kv.views.SequenceCache`), read at each call.  MLX
     allocates an op's output when the op is queued, ahead of the thread that computes it, so an
     eager forward issued whole holds several layers' activations at once (see
     :func:`slotinfer.device.prefill_by_layer`)."""

@@ -22,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .. import reasoning, tools
+from ..text import reasoning
+from ..text import tools
 from ..cpu import allocator
 from ..errors import Cancelled, GrammarError, InvalidRequestError, PromptTooLongError
 from ..request import CONSTRAINTS, short

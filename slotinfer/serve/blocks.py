@@ -8,15 +8,15 @@ in the model's format) and :class:`Blocks` turns the parts into events; each API
 
 from __future__ import annotations
 
-from ..reasoning import ReasoningSplitter
-from ..tools import StreamParser, ToolCall
+from ..text.reasoning import ReasoningSplitter
+from ..text.tools import StreamParser, ToolCall
 
 REASONING, TEXT, CALL = "reasoning", "text", "call"
 
 
 class ReplyParts:
     """One row's text, delta by delta, as ``(kind, value)`` parts: reasoning text, answer text, and
-    :class:`~slotinfer.tools.ToolCall` s (with ``tool_format``); any split gives the same parts joined."""
+    :class:`~slotinfer.text.tools.ToolCall` s (with ``tool_format``); any split gives the same parts joined."""
 
     def __init__(self, tool_format: str | None, reasoning: str | None):
         self._split = ReasoningSplitter(reasoning) if reasoning else None

@@ -6,9 +6,9 @@ import json
 import time
 import uuid
 
-from ..reasoning import ReasoningSplitter, split
-from ..token_text import TokenText
-from ..tools import RepeatWatch, StreamParser, ToolCall, first_repeat, parse
+from ..text.reasoning import ReasoningSplitter, split
+from ..text.token_text import TokenText
+from ..text.tools import RepeatWatch, StreamParser, ToolCall, first_repeat, parse
 
 __all__ = ["Shaper", "TokenText", "usage", "finish_reason", "sse", "DONE"]
 

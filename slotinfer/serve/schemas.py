@@ -72,7 +72,7 @@ class GenerateRequest:
     constrained_by: str | None = None  # the field that constrains the output (response_format...), if one does
     echo: bool = False  # completions: the prompt comes back before the completion (with its log-probs if asked)
     template_kwargs: dict = field(default_factory=dict)  # chat: more variables for the template (enable_thinking...)
-    reasoning: str | None = None  # chat: where the reply starts (slotinfer.reasoning.mode), set once rendered
+    reasoning: str | None = None  # chat: where the reply starts (slotinfer.text.reasoning.mode), set once rendered
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,305 @@
+"""The extension's decode-step primitives (slotinfer/cpu/qkernel/decode_ops.h): RMSNorm, rope from
+a step's tables and attention of one new token per row over pool blocks.
+
+Each against a float64 numpy reference (rope: bit for bit against the MLX expression it replaces),
+each row's result the same alone as in any batch, strided inputs read as their values, and bad
+input refused.  Every loop set this CPU runs (AVX-512, AVX2, the baseline) is held to them.
+Skipped where the extension was not built (the MLX ops then serve, tests/cpu/test_fastmath.py).
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import slotinfer  # noqa: F401 - first: the BLAS before mlx.core
+import mlx.core as mx
+from slotinfer.cpu import qkernel
+from slotinfer.cpu.ops import cpu_ops
+
+module = qkernel.load()
+pytestmark = pytest.mark.skipif(module is None, reason=f"the qkernel extension is {qkernel.status()}")
+
+
+def normal(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# -- RMSNorm ------------------------------------------------------------------------------------
+
+@given(rows=st.integers(1, 9), n=st.sampled_from([1, 7, 16, 64, 576, 1000]), weighted=st.booleans(),
+       scale=st.sampled_from([1e-3, 1.0, 1e3]), seed=st.integers(0, 2**16))
+def test_rms_norm_matches_float64(kernels, rows, n, weighted, scale, seed):
+    rng = np.random.default_rng(seed)
+    x, w = normal(rng, rows, n, scale=scale), normal(rng, n)
+    got = np.array(module.rms_norm(mx.array(x), mx.array(w) if weighted else None, 1e-5))
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-5) * (w if weighted else 1.0)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@given(rows=st.integers(2, 12), seed=st.integers(0, 2**16))
+def test_rms_norm_row_alone_equals_batched(kernels, rows, seed):
+    rng = np.random.default_rng(seed)
+    x, w = mx.array(normal(rng, rows, 3, 96)), mx.array(normal(rng, 96))
+    batched = module.rms_norm(x, w, 1e-6)
+    for i in range(rows):
+        assert mx.array_equal(module.rms_norm(x[i:i + 1], w, 1e-6), batched[i:i + 1]).item()
+    assert mx.array_equal(module.rms_norm(x.transpose(1, 0, 2), w, 1e-6), batched.transpose(1, 0, 2)).item()
+
+
+# -- rope from tables -------------------------------------------------------------------------------
+
+@given(b=st.integers(1, 5), heads=st.integers(1, 12), d=st.sampled_from([8, 64, 80, 128]),
+       partial=st.booleans(), shared=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_apply_is_the_mlx_expression_bit_for_bit(kernels, b, heads, d, partial, shared, seed):
+    """``x1 * cos - x2 * sin``, ``x1 * sin + x2 * cos`` and the features past the rotated ones
+    copied, each product rounded as MLX's separate ops round it; one table row for all rows or one
+    each; ``x`` a transposed view, as the model gives it."""
+    rng = np.random.default_rng(seed)
+    dims = d // 2 if partial else d
+    half = dims // 2
+    x = mx.array(normal(rng, b, 1, heads, d)).transpose(0, 2, 1, 3)
+    r = mx.array(normal(rng, 1 if shared else b, 1, 1, 2 * half))
+    cos, sin = r[..., :half], r[..., half:]
+    x1, x2 = x[..., :half], x[..., half:dims]
+    want = mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., dims:]], axis=-1)
+    assert mx.array_equal(module.rope_apply(x, cos, sin), want).item()
+
+
+# -- attention of one new token per row over pool blocks -------------------------------------------
+
+@st.composite
+def attention_cases(draw):
+    kvh, rep = draw(st.sampled_from([(1, 1), (1, 4), (3, 3), (2, 8), (4, 2)]))
+    return dict(kvh=kvh, heads=kvh * rep, d=draw(st.sampled_from([8, 20, 64, 128])),
+                bs=draw(st.sampled_from([1, 4, 16, 128])), b=draw(st.integers(1, 5)),
+                window=draw(st.sampled_from([None, None, 3])), softcap=draw(st.sampled_from([0.0, 0.0, 30.0])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def pools(c):
+    rng = np.random.default_rng(c["seed"])
+    bs, b = c["bs"], c["b"]
+    lengths = rng.integers(1, 3 * bs + 2, size=b)
+    width = int(-(-lengths.max() // bs)) + int(rng.integers(0, 2))
+    blocks = 2 + b * width
+    keys, values = normal(rng, blocks, c["kvh"], bs, c["d"]), normal(rng, blocks, c["kvh"], bs, c["d"])
+    tables = rng.permutation(np.arange(2, blocks))[: b * width].reshape(b, width).astype(np.int32)
+    for i, n in enumerate(lengths):
+        tables[i, -(-n // bs):] = 0  # past a row's blocks: a block of zeros
+    keys[0] = values[0] = 0
+    pos = np.arange(width * bs)[None]
+    mask = pos < lengths[:, None]
+    if c["window"]:
+        mask &= pos > lengths[:, None] - 1 - c["window"]
+    q = normal(rng, b, c["heads"], 1, c["d"])
+    return q, keys, values, tables, mask, lengths
+
+
+def reference(q, keys, values, tables, mask, scale, softcap):
+    b, heads, _, d = q.shape
+    kvh, bs = keys.shape[1], keys.shape[2]
+    k = keys[tables].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d).astype(np.float64)  # [b, kvh, span, d]
+    v = values[tables].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d).astype(np.float64)
+    k, v = np.repeat(k, heads // kvh, axis=1), np.repeat(v, heads // kvh, axis=1)
+    s = np.einsum("bhd,bhsd->bhs", q[:, :, 0].astype(np.float64) * scale, k)
+    if softcap:
+        s = np.tanh(s / softcap) * softcap
+    s = np.where(mask[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (np.einsum("bhs,bhsd->bhd", p / p.sum(-1, keepdims=True), v))[:, :, None]
+
+
+@given(attention_cases())
+def test_paged_decode_attention_matches_float64(kernels, c):
+    q, keys, values, tables, mask, _ = pools(c)
+    scale = c["d"] ** -0.5
+    got = module.paged_decode_attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(tables),
+                                        mx.array(mask)[:, None, None], scale, c["softcap"])
+    np.testing.assert_allclose(np.array(got), reference(q, keys, values, tables, mask, scale, c["softcap"]),
+                               rtol=2e-5, atol=2e-6)
+
+
+@given(attention_cases())
+def test_paged_decode_attention_row_alone_equals_batched(kernels, c):
+    """Bit for bit: the other rows, blocks of zeros past a row's length under a false mask and a
+    mask shared by all rows change nothing."""
+    q, keys, values, tables, mask, lengths = pools(c)
+    args = [mx.array(a) for a in (keys, values)]
+    batched = module.paged_decode_attention(mx.array(q), *args, mx.array(tables), mx.array(mask), 1.0 / 8, c["softcap"])
+    bs = c["bs"]
+    for i, n in enumerate(lengths):
+        nblk = -(-int(n) // bs)
+        alone = module.paged_decode_attention(mx.array(q[i:i + 1]), *args, mx.array(tables[i:i + 1, :nblk]),
+                                              mx.array(mask[i, : nblk * bs]), 1.0 / 8, c["softcap"])
+        assert mx.array_equal(alone, batched[i:i + 1]).item(), f"row {i}"
+
+
+def test_paged_decode_attention_reads_strided_queries():
+    """Queries as the model gives them (a slice of a transposed projection) are read as their values."""
+    c = dict(kvh=2, heads=6, d=64, bs=16, b=3, window=None, softcap=0.0, seed=5)
+    q, keys, values, tables, mask, _ = pools(c)
+    qk = mx.array(np.concatenate([q, normal(np.random.default_rng(1), 3, 2, 1, 64)], axis=1))
+    view = qk.transpose(0, 2, 1, 3).transpose(0, 2, 1, 3)[:, :6]
+    args = [mx.array(a) for a in (keys, values, tables, mask)]
+    assert mx.array_equal(module.paged_decode_attention(view, *args[:3], args[3], 0.125),
+                          module.paged_decode_attention(mx.array(q), *args[:3], args[3], 0.125)).item()
+
+
+def test_the_cpu_ops_use_them():
+    ops = cpu_ops()
+    assert ops.rope_apply is module.rope_apply and ops.paged_decode is not None
+    assert cpu_ops(native=False).paged_decode is None
+
+
+def test_bad_input_is_refused_with_what_was_wrong():
+    x = mx.zeros((2, 64))
+    with pytest.raises(ValueError, match="float32"):
+        module.rms_norm(x.astype(mx.float16), None, 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        module.rms_norm(x, mx.ones((32,)), 1e-5)
+    with pytest.raises(ValueError, match="1, D"):
+        module.rope_apply(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 1, 1, 4)), mx.zeros((1, 1, 1, 4)))
+    with pytest.raises(ValueError, match="half"):
+        module.rope_apply(mx.zeros((1, 2, 1, 8)), mx.zeros((1, 1, 1, 5)), mx.zeros((1, 1, 1, 5)))
+    q, pool, tables = mx.zeros((2, 4, 1, 8)), mx.zeros((3, 2, 4, 8)), mx.zeros((2, 1), dtype=mx.int32)
+    with pytest.raises(ValueError, match="int32"):
+        module.paged_decode_attention(q, pool, pool, tables.astype(mx.int64), None, 1.0)
+    with pytest.raises(ValueError, match="kv_heads"):
+        module.paged_decode_attention(mx.zeros((2, 3, 1, 8)), pool, pool, tables, None, 1.0)
+    with pytest.raises(ValueError, match="mask"):
+        module.paged_decode_attention(q, pool, pool, tables, mx.ones((2, 5), dtype=mx.bool_), 1.0)
+
+
+# -- a whole block as a few nodes (slotinfer/cpu/fused.py) ---------------------------------------------
+
+def quantized(rng, rows, k, qtype):
+    import gguf
+
+    w = normal(rng, rows, k, scale=0.2)
+    return mx.array(gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype]))
+
+
+@given(b=st.integers(1, 4), kv=st.sampled_from([(1, 3), (2, 2), (2, 1)]), d=st.sampled_from([32, 64]),
+       bs=st.sampled_from([4, 16]), shared_rope=st.booleans(), bias=st.booleans(), qk_norm=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_attention_half_is_its_separate_nodes_bit_for_bit(kernels, b, kv, d, bs, shared_rope, bias, qk_norm, seed):
+    """``qkv_rope`` (RMSNorm, q|k|v and its bias, the per-head q/k norms, rope from tables) and
+    ``attend_out`` (paged attention, o and the residual add) give what the separate primitives
+    give, bit for bit."""
+    rng = np.random.default_rng(seed)
+    kvh, rep = kv
+    heads, hid = kvh * rep, 64
+    nblk, blocks = 3, 2 + 3 * b
+    x, wn = mx.array(normal(rng, b, 1, hid)), mx.array(normal(rng, hid))
+    wqkv, wo = quantized(rng, (heads + 2 * kvh) * d, hid, "Q4_1"), quantized(rng, hid, heads * d, "Q8_0")
+    keys, values = mx.array(normal(rng, blocks, kvh, bs, d)), mx.array(normal(rng, blocks, kvh, bs, d))
+    tables = mx.array(rng.permutation(np.arange(2, blocks))[: b * nblk].reshape(b, nblk).astype(np.int32))
+    pos = rng.integers(0, nblk * bs, size=b)
+    mask = mx.array(np.arange(nblk * bs)[None] <= pos[:, None])
+    r = normal(rng, 1 if shared_rope else b, 1, 1, d)
+    cos, sin = mx.array(r)[..., : d // 2], mx.array(r)[..., d // 2:]
+    extra = dict(qkv_bias=mx.array(normal(rng, (heads + 2 * kvh) * d)) if bias else None,
+                 qk_norm=mx.array(normal(rng, heads + kvh, d)) if qk_norm else None)
+    got_qkv = module.qkv_rope(x, wn, 1e-5, wqkv, "q4_1", cos, sin, heads, kvh, **extra)
+    got_h = module.attend_out(got_qkv, keys, values, tables, mask, wo, "q8_0", x, heads, d ** -0.5)
+    # the separate nodes, as the model runs them
+    qkv = module.qlinear(module.rms_norm(x, wn, 1e-5), wqkv, "q4_1")
+    if bias:
+        qkv = qkv + extra["qkv_bias"]
+    qkv = qkv.reshape(b, 1, heads + 2 * kvh, d)
+    qk = qkv[:, :, : heads + kvh]
+    if qk_norm:
+        qk = module.rms_norm(qk, None, 1e-5) * extra["qk_norm"]
+    qk = module.rope_apply(qk.transpose(0, 2, 1, 3), cos, sin)
+    want_qkv = mx.concatenate([qk.transpose(0, 2, 1, 3), qkv[:, :, heads + kvh:]], axis=2).reshape(b, 1, -1)
+    assert mx.array_equal(got_qkv, want_qkv).item()
+    att = module.paged_decode_attention(qk[:, :heads], keys, values, tables, mask, d ** -0.5)
+    want_h = x + module.qlinear(att.reshape(b, 1, heads * d), wo, "q8_0")
+    assert mx.array_equal(got_h, want_h).item()
+
+
+@given(rows=st.integers(1, 6), act=st.sampled_from(["silu", "gelu_tanh"]), seed=st.integers(0, 2**16))
+def test_mlp_block_is_its_separate_nodes(kernels, rows, act, seed):
+    """RMSNorm, gate|up, the activation of the CPU ops, down and the residual add as one node: the
+    ops' values to float32 rounding (their activation is MLX's compiled arithmetic), and each row
+    the same alone as in any batch, bit for bit."""
+    rng = np.random.default_rng(seed)
+    hid, n = 64, 96
+    wgu, wd = quantized(rng, 2 * n, hid, "Q4_0"), quantized(rng, hid, n, "Q8_0")
+    h, wn = mx.array(normal(rng, rows, 1, hid)), mx.array(normal(rng, hid))
+    got = module.mlp_block(h, wn, 1e-6, wgu, "q4_0", wd, "q8_0", act)
+    ops = cpu_ops()
+    g, u = mx.split(module.qlinear(module.rms_norm(h, wn, 1e-6), wgu, "q4_0"), 2, axis=-1)
+    want = h + module.qlinear(ops.silu_mul(g, u) if act == "silu" else ops.gelu_tanh_mul(g, u), wd, "q8_0")
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    for i in range(rows):
+        alone = module.mlp_block(h[i:i + 1], wn, 1e-6, wgu, "q4_0", wd, "q8_0", act)
+        assert mx.array_equal(alone, got[i:i + 1]).item()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def llama_q41(request, tmp_path_factory):
+    """A tiny model in a Q4_1 GGUF (its norms float32): every block takes the fused path (Qwen 2
+    with its q|k|v bias, Qwen 3 with its q/k norms)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: gguf_fixtures
+    from gguf_fixtures import twin, write_gguf
+
+    root = tmp_path_factory.mktemp("fused")
+    family = request.param
+    return slotinfer.load(write_gguf(twin(family, root / family), root / f"{family}-q4_1.gguf", "Q4_1"))
+
+
+def test_a_model_decodes_through_the_fused_blocks(llama_q41, monkeypatch):
+    """The engine's decode steps and the single-sequence reference go through the fused blocks; the
+    greedy tokens equal the separate nodes' and are the same alone and batched."""
+    from slotinfer.cpu import fused
+
+    prompts = ["hello world", "the cat sat on", "1 2 3 4 5 6 7 8 9 10 11 12"]
+    calls = []
+    real = fused.block
+
+    def counted(module_, blk, x, ctx):
+        out = real(module_, blk, x, ctx)
+        if x.shape[1] == 1:  # a decode step (a prefill runs the separate nodes)
+            calls.append(out is not None)
+        return out
+
+    blocks = llama_q41.net.model.layers
+    for blk in blocks:
+        monkeypatch.setattr(blk, "_fused", lambda b, x, ctx: counted(module, b, x, ctx))
+    batched = [r.tokens for r in llama_q41.batch_generate(prompts, max_tokens=24, ignore_eos=True)]
+    assert calls and all(calls), "a block did not take the fused path"
+    alone = [llama_q41.generate(p, max_tokens=24, ignore_eos=True).tokens for p in prompts]
+    for blk in blocks:
+        monkeypatch.setattr(blk, "_fused", None)
+    separate = [r.tokens for r in llama_q41.batch_generate(prompts, max_tokens=24, ignore_eos=True)]
+    assert batched == alone == separate
+
+
+def test_fused_blocks_refuse_bad_input():
+    rng = np.random.default_rng(0)
+    w = quantized(rng, 64, 64, "Q8_0")
+    gate_up = quantized(rng, 128, 64, "Q8_0")
+    with pytest.raises(ValueError, match="activation"):
+        module.mlp_block(mx.zeros((1, 1, 64)), mx.ones((64,)), 1e-5, gate_up, "q8_0", w, "q8_0", "relu")
+    with pytest.raises(ValueError, match="w_down"):
+        module.mlp_block(mx.zeros((1, 1, 64)), mx.ones((64,)), 1e-5, gate_up, "q8_0", quantized(rng, 64, 32, "Q8_0"),
+                         "q8_0")
+    wqkv, wo, pool = quantized(rng, 96, 64, "Q8_0"), quantized(rng, 64, 32, "Q8_0"), mx.zeros((4, 1, 4, 32))
+    x, tables, half = mx.zeros((1, 1, 64)), mx.zeros((1, 1), dtype=mx.int32), mx.zeros((1, 16))
+    qkv = module.qkv_rope(x, mx.ones((64,)), 1e-5, wqkv, "q8_0", half, half, 1, 1)
+    mx.eval(module.attend_out(qkv, pool, pool, tables, mx.ones((1, 4), dtype=mx.bool_), wo, "q8_0", x, 1, 0.25))
+    with pytest.raises(ValueError, match=r"\[B, 1, hidden\]"):
+        module.qkv_rope(mx.zeros((1, 2, 64)), mx.ones((64,)), 1e-5, wqkv, "q8_0", half, half, 1, 1)
+    with pytest.raises(ValueError, match="kv_heads"):
+        module.qkv_rope(x, mx.ones((64,)), 1e-5, wqkv, "q8_0", half, half, 2, 3)
+    with pytest.raises(ValueError, match="mask"):
+        module.attend_out(qkv, pool, pool, tables, mx.ones((1, 5), dtype=mx.bool_), wo, "q8_0", x, 1, 0.25)
+    with pytest.raises(ValueError, match="qkv"):
+        module.attend_out(qkv[..., :64], pool, pool, tables, mx.ones((1, 4), dtype=mx.bool_), wo, "q8_0", x, 1, 0.25)
