@@ -354,7 +354,8 @@ def test_ctrl_c_exits_130_in_one_line_and_the_run_resumes(folder, tmp_path):
     src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
     n = 20000
     src.write_text("".join(f"sentence number {i}\n" for i in range(n)))
-    args = ["classify", "--model", folder, "--labels", "yes,no", "-q", "--chunk", "64", "--output", out, src]
+    args = ["classify", "--model", folder, "--labels", "yes,no", "--label-prefix", " ", "-q", "--chunk", "64", "--output",
+            out, src]
     proc = subprocess.Popen([sys.executable, "-m", "slotinfer", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
