@@ -106,18 +106,20 @@ class Constraint:
         """Whether the next mask is computed (a step may take this row)."""
         return self._job.done()
 
-    def _wait(self):
+    def wait(self):
+        """Block until the next mask is computed: until the next :meth:`advance`, the matcher is then
+        the caller's alone (the mask thread borrows it while it computes)."""
         self._job.result()
 
     def fill(self, bitmask: np.ndarray, row: int):
         """Write the tokens allowed next into ``bitmask[row]`` (waiting for them if need be).  A matcher
         that failed leaves the row free (its token is never used) and fails the request at that token."""
-        self._wait()
+        self.wait()
         bitmask[row] = -1 if self.error is not None else self._mask[0]
 
     def advance(self, token: int) -> bool:
         """Take ``token``; True when the output is complete (nothing but an end token may follow)."""
-        self._wait()
+        self.wait()
         if self.error is not None:
             raise self.error
         if not self.matcher.consume_token(token):
@@ -129,7 +131,7 @@ class Constraint:
 
     def end(self):
         """An end token came: raise unless the output is complete."""
-        self._wait()
+        self.wait()
         if self.error is not None:
             raise self.error
         if not self.allows_end():

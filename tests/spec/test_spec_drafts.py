@@ -192,6 +192,7 @@ def tokenizers(model_dir):
 
 def _check_forced(model, kind, value, text):
     constraint = model.grammars.constraint({kind: value})
+    constraint.wait()  # the mask thread is done with the matcher: it is this test's alone
     matcher, lltok = constraint.matcher, model.grammars.tokenizer
     drafter = Drafter()
     row = drafter.row([0], matcher=matcher)
