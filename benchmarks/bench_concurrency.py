@@ -1,4 +1,4 @@
-"""Tokens/s against concurrency: the figure in docs/benchmarks.md, as a table and an SVG plot.
+"""Tokens/s against concurrency: the figure in docs/batching.md, as a table and an SVG plot.
 
 The workload of ``slotinfer bench`` (prompts of 32 tokens, exactly 64 generated tokens each,
 one Inferencer with as many slots as sequences) at each count of concurrent sequences; the

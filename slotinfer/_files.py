@@ -60,6 +60,19 @@ def _os_problem(file: Path, e: OSError) -> str:
     return f"cannot read {file}: {e.strerror or e}; check the file and its permissions"
 
 
+def where_missing(path) -> str:
+    """Why no file or folder is at ``path``, from the last part that does exist: "there is no 'models'
+    in /home/me" (a relative path is read from the current folder, which it names)."""
+    path = Path(path).expanduser()
+    full = path if path.is_absolute() else Path.cwd() / path
+    parent = full
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    missing = full.relative_to(parent).parts[0] if parent != full else full.name
+    here = f"{str(parent)!r}" + ("" if path.is_absolute() else ", the current folder" if parent == Path.cwd() else "")
+    return f"there is no {missing!r} in {here}"
+
+
 def read_json(file: Path, *, error: type[Exception], required: bool = False):
     """The JSON in ``file`` ({} when absent and not required); ``error`` is the type raised when it is unreadable."""
     if not os.path.lexists(file):

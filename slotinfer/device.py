@@ -161,7 +161,7 @@ def cpu_block_kernels(device=None) -> bool:
     kernels (:mod:`slotinfer.cpu.qkernel`), and its other quantized matrices are repacked into such
     blocks (:mod:`slotinfer.cpu.repack`), instead of being dequantized to float32 at load.
 
-    CPU: yes where the kernels were built at install time.  Measured (docs/benchmarks.md): one
+    CPU: yes where the kernels were built at install time.  Measured (docs/quantized-cpu.md): one
     SmolLM2-135M Q4_1 sequence decodes ~4x faster than in float32, 32 sequences at 1.0-1.1x,
     with a fifth of the weight memory.  GPU: no, MLX's
     own quantized kernels serve there.  ``SLOTINFER_QUANT_KERNELS=0`` turns it off, and so does a

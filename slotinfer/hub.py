@@ -21,6 +21,7 @@ import os
 import re
 from pathlib import Path
 
+from ._files import where_missing
 from .errors import InvalidRequestError, ModelNotFoundError
 
 # The Hub's own rule for a name: letters, digits, "-", "_", ".", 1 to 96 characters, neither
@@ -56,6 +57,8 @@ def split_id(text) -> tuple[str, str | None] | None:
 def local_path(path, revision: str | None = None):
     """``path`` itself when it exists or is not a repo id; else the cached (or fetched) snapshot of the id."""
     parts = None if Path(path).expanduser().exists() else split_id(path)
+    if parts is not None and parts[1] is None and parts[0].lower().endswith(".gguf"):
+        parts = None  # dir/name.gguf is a GGUF file's path (a repo's GGUF file is named as org/name:file.gguf)
     if parts is not None and parts[1] is None:
         _check_not_a_local_typo(parts[0])
     if parts is None:
@@ -183,10 +186,11 @@ def _not_found(repo_id: str, file: str | None, revision: str | None, e: Exceptio
         return ModelNotFoundError(
             f"{spec!r} is a gated or private repo on the Hugging Face Hub: accept its terms on its page and log "
             "in (`hf auth login`, or set HF_TOKEN), then load it again")
+    local = f"{spec!r} names no local file or folder ({where_missing(spec)})"
     if isinstance(e, RepositoryNotFoundError):
         return ModelNotFoundError(
-            f"{spec!r} is neither a local path nor a model repo on the Hugging Face Hub (or the repo is private: "
-            "log in with `hf auth login`); check the spelling of the folder or the repo id")
+            f"{local}, nor a model repo on the Hugging Face Hub (or the repo is private: log in with "
+            "`hf auth login`); check the spelling of the folder or the repo id")
     if isinstance(e, RevisionNotFoundError):
         return ModelNotFoundError(f"the Hugging Face repo {repo_id!r} has no revision {revision!r}; "
                                   "pass an existing branch, tag or commit hash")
@@ -194,7 +198,7 @@ def _not_found(repo_id: str, file: str | None, revision: str | None, e: Exceptio
            else f"{type(reason).__name__}: {str(reason).splitlines()[0] if str(reason) else 'no answer'}")
     cache = os.path.join(constants.HF_HUB_CACHE, "models--" + repo_id.replace("/", "--"))
     return ModelNotFoundError(
-        f"{spec!r} is not a local path, and as a Hugging Face repo id{at} it could not be loaded: the hub "
+        f"{local}; read as a Hugging Face repo id{at}, it could not be loaded: the hub "
         f"could not be reached ({why}) and the cache holds no complete copy of it ({cache}). Get the files "
         f"where the hub is reachable with {get} (into the same cache, or copy that folder here), or download "
         "them anywhere and pass the local folder")

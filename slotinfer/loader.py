@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import device, gguf, hub, settings
-from ._files import check_regular, open_regular, read_json
+from ._files import check_regular, open_regular, read_json, where_missing
 from .errors import ConfigError, InvalidRequestError, ModelNotFoundError, TokenizerError, WeightError
 from .model import Model
 from .models import ModelConfig, Transformer, expected_shapes, parse_config
@@ -69,8 +69,12 @@ def load(path, *, dtype=None, revision=None) -> Model:
         )
     if os.path.lexists(folder) and not folder.is_dir():
         check_regular(folder, error=ModelNotFoundError)  # a pipe, a device or a symlink loop: says which
+    if not folder.is_dir() and folder.suffix.lower() == ".gguf":
+        raise ModelNotFoundError(f"the GGUF file {str(path)!r} does not exist ({where_missing(folder)}); check "
+                                 "its path")
     if not folder.is_dir():
-        raise ModelNotFoundError(f"model folder {str(folder)!r} does not exist; pass the folder holding config.json")
+        raise ModelNotFoundError(f"model folder {str(path)!r} does not exist ({where_missing(folder)}); pass the "
+                                 "folder holding config.json, a .gguf file, or a Hugging Face repo id (org/name)")
     raw = read_json(folder / "config.json", error=ConfigError, required=True)
     cfg = parse_config(raw)
     files = shard_files(folder)

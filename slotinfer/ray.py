@@ -41,7 +41,10 @@ except ImportError as e:
 
 import slotinfer
 
+from . import _package
 from .device import default_device
+
+_package.check()  # in each actor too: Ray starts its workers in the driver's folder
 
 __all__ = ["Classifier", "Generator", "actor_options"]
 

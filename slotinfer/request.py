@@ -24,6 +24,7 @@ import difflib
 import itertools
 import json
 import math
+import re
 import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ MAX_GRAMMAR = 1 << 20  # characters of a JSON schema, regex or grammar; compilin
 MAX_CHOICES = 4096
 MAX_BIAS = 1024  # token ids one logit_bias may name (OpenAI's API allows 300)
 CONSTRAINTS = ("json_schema", "regex", "choice", "grammar")  # at most one per request
+# a logit_bias key as JSON carries a token id: "5", not " 5", "+5", "05" or full-width digits
+_TOKEN_ID_TEXT = re.compile(r"0|[1-9][0-9]{0,10}")
 
 
 @dataclass(frozen=True)
@@ -286,10 +289,10 @@ def _bias(p: Param, value, vocab: int):
                                  f"{short(value)}")
     out = {}
     for k, v in value.items():
-        tid = int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 12 else k
+        tid = int(k) if isinstance(k, str) and _TOKEN_ID_TEXT.fullmatch(k) else k
         if not _is_int(tid) or not 0 <= tid < vocab:
             raise _bad("logit_bias", f"logit_bias keys must be token ids in [0, {vocab}) (ints, or their "
-                                     f"decimal strings), got {short(k)}")
+                                     f"decimal text such as \"5\": no sign, spaces or leading zeros), got {short(k)}")
         try:
             out[int(tid)] = _float(p, v, p.hi)
         except InvalidRequestError:

@@ -271,6 +271,67 @@ def _call(obj, keys) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def first_repeat(calls: list[ToolCall]) -> int | None:
+    """The index of the first call that repeats an earlier one exactly (its name, and arguments equal as
+    JSON values), if any."""
+    seen = set()
+    for i, c in enumerate(calls):
+        if _same(c) in seen:
+            return i
+        seen.add(_same(c))
+    return None
+
+
+def _same(call: ToolCall) -> tuple[str, str]:
+    return call.name, json.dumps(json.loads(call.arguments), sort_keys=True)
+
+
+class RepeatWatch:
+    """A forced reply watched as it streams: :meth:`feed` returns True once a call repeats an earlier
+    one exactly.  A small model made to call, with parallel calls allowed, may write the same call
+    until ``max_tokens``; the server stops such a reply at the repeat and drops it.
+
+    Each call is seen once, as its text completes (a ``</tool_call>``, or a Llama reply's closing brace):
+    the work is linear in the reply."""
+
+    def __init__(self, fmt: str):
+        self._parser = StreamParser(fmt) if fmt == HERMES else None
+        self._seen: set[tuple[str, str]] = set()
+        self._obj: list[str] = []  # llama3: the JSON object being written, its depth and string state
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def feed(self, text: str) -> bool:
+        calls = self._llama(text) if self._parser is None else self._parser.feed(text)
+        for c in calls:
+            if isinstance(c, ToolCall):
+                if _same(c) in self._seen:
+                    return True
+                self._seen.add(_same(c))
+        return False
+
+    def _llama(self, text: str) -> list[ToolCall]:
+        """The calls whose closing brace ``text`` holds (the forced Llama reply: objects joined by "; ")."""
+        out = []
+        for ch in text:
+            if not self._depth:
+                if ch == "{":
+                    self._obj, self._depth = ["{"], 1
+                continue
+            self._obj.append(ch)
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if not self._depth:
+                    found = _llama_calls("".join(self._obj))
+                    out += found[0] if found else []
+        return out
+
+
 # -- the grammar that forces a call -----------------------------------------------------
 
 
@@ -282,8 +343,10 @@ def forced_grammar(tools: list[dict], fmt: str, *, name: str | None = None, para
     key = "arguments" if fmt == HERMES else "parameters"
     rules = []
     for i, fn in enumerate(fns):
-        schema = {"type": "object", "properties": {"name": {"const": fn["name"]},
-                                                   key: fn.get("parameters") or {"type": "object"}},
+        params = dict(fn.get("parameters") or {})
+        if isinstance(params.get("type", []), list):  # arguments are an object (not null, nor an enum's number)
+            params["type"] = "object"
+        schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
                   "required": ["name", key], "additionalProperties": False,
                   "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
         rules.append(f"fn{i}: %json {json.dumps(schema, ensure_ascii=False)}")

@@ -286,6 +286,31 @@ def test_cli_csv_with_template_matches_the_library(tiny, tmp_path):
     assert "label" in recs['"r3"']
 
 
+@pytest.mark.parametrize("label_prefix, template, warned", [
+    ("", None, "'as sent off.sport'"), (" ", None, None), ("", "Text: {text}\nTopic:\n", "Topic:sport'"),
+    ("", 'Text: {text}\nTopic: "', None), ("", "{text}\n\n", None), ("\n", None, None)])
+def test_cli_warns_once_when_labels_would_run_on_from_the_text(tiny, tmp_path, capsys, label_prefix, template,
+                                                                warned):
+    """Labels are scored right after each sentence (or the template's end): without a space between, a
+    byte-level tokenizer scores "off.sport", which no model writes, and the answers are noise."""
+    src, out = tmp_path / "in.txt", tmp_path / "out.jsonl"
+    src.write_text("The goalkeeper was sent off.\nParliament passed the bill.\n")
+    extra = []
+    if template is not None:
+        (tmp_path / "t.txt").write_text(template)
+        extra = ["--template", str(tmp_path / "t.txt")]
+    rc = main(["--model", str(tiny["qwen3"][0]), "--labels", "sport,politics", "--label-prefix", label_prefix, "-q",
+               "--output", str(out), *extra, str(src)])
+    err = capsys.readouterr().err
+    assert rc == 0 and len(out.read_text().splitlines()) == 2
+    lines = [x for x in err.splitlines() if "warning" in x]
+    if warned is None:
+        assert lines == [], err
+    else:
+        [line] = lines
+        assert warned in line and "--label-prefix ' '" in line, line
+
+
 def test_cli_usage_errors(tiny, tmp_path, capsys):
     rc, _, _ = _run_cli(tiny, tmp_path, "in.txt", "x\n", labels="yes,no,yes")
     assert rc == 2 and "duplicate label 'yes'" in capsys.readouterr().err

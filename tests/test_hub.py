@@ -130,6 +130,9 @@ def test_an_uncached_id_is_a_typed_error_that_says_how_to_get_it(tmp_path):
     msg = got["message"]
     assert "'some-org/not-downloaded'" in msg and "could not be reached" in msg and "HF_HUB_OFFLINE" in msg
     assert "hf download some-org/not-downloaded" in msg  # how to get the files
+    # first that no local path has that name (a mistyped relative folder reads as an id), then the hub's part
+    assert msg.startswith("'some-org/not-downloaded' names no local file or folder (there is no 'some-org' in "), msg
+    assert msg.index("the current folder") < msg.index("Hugging Face"), msg
 
 
 def test_the_cli_takes_an_id(tmp_path):

@@ -107,6 +107,19 @@ def test_missing_folder_and_files(tmp_path, folder):
         slotinfer.load(folder)
 
 
+@pytest.mark.parametrize("rel", ["nope.gguf", "sub/nope.GGUF", "no-dir/model-Q4_1.gguf"])
+def test_a_gguf_path_that_does_not_exist_is_called_a_missing_file(tmp_path, monkeypatch, rel):
+    """Not a "folder holding config.json", nor a hub repo: the file is missing, and the error says from where."""
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for spec in (rel, tmp_path / rel):
+        with pytest.raises(ModelNotFoundError) as e:
+            slotinfer.load(spec)
+        msg = str(e.value)
+        assert msg.startswith(f"the GGUF file {str(spec)!r} does not exist (there is no ") and "config.json" not in msg
+        assert "hub" not in msg.lower() and str(tmp_path) in msg, msg
+
+
 def test_file_given_as_folder(folder):
     with pytest.raises(ModelNotFoundError, match="is a file, not a folder; pass the folder holding config.json"):
         slotinfer.load(folder / "config.json")

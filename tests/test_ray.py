@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -291,3 +292,26 @@ def test_rows_are_numbered_in_the_inputs_order_on_every_run_without_zip(cluster,
         runs.append(sorted((r["id"], r["text"]) for r in ds.take_all()))
         assert total == len(want)
     assert runs[0] == runs[1] == list(enumerate(want, start=1))
+
+
+def test_a_folder_named_slotinfer_ahead_of_the_package_is_named_in_one_line(tmp_path):
+    """From the folder above a checkout, ``import slotinfer`` finds the checkout's root (a folder without
+    __init__.py) as a namespace package while the submodules still load: Ray actors then failed with
+    "module 'slotinfer' has no attribute 'load'". slotinfer.ray (in the driver and in every actor) and the
+    command line say what happened instead."""
+    shadow = tmp_path / "slotinfer"
+    shadow.mkdir()
+    for entry in Path(slotinfer.__file__).parent.iterdir():  # the package's modules, in a folder without __init__
+        if entry.name not in ("__init__.py", "__pycache__"):
+            (shadow / entry.name).symlink_to(entry)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the current folder first, as for a user
+    run = lambda *args: subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True,  # noqa
+                                       text=True, timeout=300)
+    probe = run("-c", "import slotinfer; print(slotinfer.__file__)")
+    if probe.stdout.strip() != "None":
+        pytest.skip("slotinfer is installed where the path finder sees it first: no namespace package here")
+    for args in (["-c", "import slotinfer.ray"], ["-m", "slotinfer", "info"]):
+        proc = run(*args)
+        line = f"'import slotinfer' found the folder {str(shadow)!r} (no __init__.py"
+        assert proc.returncode != 0 and line in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+        assert "has no attribute" not in proc.stderr and "run from another folder" in proc.stderr

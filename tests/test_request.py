@@ -244,3 +244,20 @@ def test_any_parameters_are_refused_by_name_or_run_and_harm_no_other_request(inf
     else:
         c = got.result(timeout=60)
         assert c.finish_reason in ("length", "stop") and 1 <= len(c.tokens) <= params["max_tokens"]
+
+
+@pytest.mark.parametrize("key", [" 5", "5 ", "+5", "-0", "05", "\uff15", "\u0665", "5_0", "5.0", "0x5", True, 5.0])
+def test_logit_bias_keys_are_token_ids_or_their_canonical_decimal_text(key):
+    """A key is an int or its canonical decimal text ("5"); anything int() would also read (" 5", "+5",
+    "05", full-width or Arabic-Indic digits) is refused by name, in the library and over HTTP alike."""
+    from slotinfer.serve.errors import APIError
+    from slotinfer.serve.schemas import parse_completion
+
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        request.check({"logit_bias": {key: 1.0}})
+    if isinstance(key, str):
+        with pytest.raises(APIError) as e:
+            parse_completion({"prompt": "hi", "logit_bias": {key: 1.0}})
+        assert e.value.param == "logit_bias" and "logit_bias" in str(e.value)
+    assert request.check({"logit_bias": {"5": 1.0, 0: -2, np.int64(7): 3}})["logit_bias"] == {5: 1.0, 0: -2.0, 7: 3.0}
+    assert parse_completion({"prompt": "hi", "logit_bias": {"5": 1, "0": 2}}).params["logit_bias"] == {5: 1.0, 0: 2.0}

@@ -182,6 +182,11 @@ def test_health_models_and_metrics(client, server):
     url, inf = server
     assert httpx.get(url + "/health").json()["status"] == "ok"
     assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).model_dump() == client.models.list().data[0].model_dump()
+    for other in ("gpt-4o", "org/other-model", NAME + "x"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(other)
+        assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model", e.value.body
     client.completions.create(model=NAME, prompt="count me", max_tokens=3, temperature=0)
     text = httpx.get(url + "/metrics").text
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()

@@ -65,8 +65,14 @@ def test_logprobs_are_recorded(folder, model, capsys):
     [rec] = [json.loads(x) for x in out.splitlines()]
     with slotinfer.Inferencer(model, slots=1, max_len=64) as inf:
         want = inf.generate("Hello", max_tokens=5, logprobs=True, top_logprobs=2)
-    assert rec["tokens"] == want.tokens and rec["logprobs"] == pytest.approx(want.logprobs)
-    assert [[t for t, _ in top] for top in rec["top_logprobs"]] == [[t for t, _ in top] for top in want.top_logprobs]
+    # tokens by their text, as the server's logprobs show them (each token decoded alone), ids beside
+    text = model.tokenizer.decode
+    assert rec["tokens"] == [text([t]) for t in want.tokens] and rec["token_ids"] == want.tokens
+    assert rec["logprobs"] == pytest.approx(want.logprobs)
+    assert [[(e["token"], e["id"]) for e in top] for top in rec["top_logprobs"]] == \
+        [[(text([t]), t) for t, _ in top] for top in want.top_logprobs]
+    assert [e["logprob"] for top in rec["top_logprobs"] for e in top] == \
+        pytest.approx([v for top in want.top_logprobs for _, v in top])
 
 
 @pytest.mark.parametrize("flag,value", [("--min-p", "1.5"), ("--repetition-penalty", "0"), ("--stop", ""),
@@ -79,6 +85,21 @@ def test_bad_generate_flags_are_usage_errors(folder, capsys, flag, value):
 def test_serve_without_a_model_is_a_usage_error(capsys):
     rc, _, err = _cli(["serve"], capsys)
     assert rc == 2 and "model" in err
+    rc, _, err = _cli(["serve", "models/a", "--model", "models/b"], capsys)  # --model as every command takes it
+    assert rc == 2 and "'models/a'" in err and "'models/b'" in err and "once" in err, err
+
+
+def test_serve_help_gives_the_defaults_and_how_the_server_samples(capsys):
+    rc, out, _ = _cli(["serve", "--help"], capsys)
+    text = " ".join(out.split())
+    assert rc == 0 and "--model MODEL" in text and "--prefill-tokens N" in text
+    for flag, default in [("--port PORT", "8000"), ("--slots SLOTS", "32"), ("--prefill-tokens N", "512"),
+                          ("--max-queue MAX_QUEUE", "64"), ("--grace-period GRACE_PERIOD", "10.0"),
+                          ("--read-timeout READ_TIMEOUT", "30.0"), ("--log-level", "info")]:
+        after = text[text.index(flag + " ", text.index("options:")):]
+        assert f"(default: {default})" in after[2:].split(" --")[0], (flag, after[:300])
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "temperature is sampled at 1.0, as OpenAI's API does" in text and "generate is greedy" in text
 
 
 def test_install_advice_is_the_checkouts():

@@ -99,6 +99,12 @@ def _bad(client, **kw):
     (dict(logit_bias={"the": 5}), "logit_bias", "token ids"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
           tool_choice="required"), "tools", "do not compile"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+          tool_choice="required"), "tools[0].function.parameters", "a JSON object"),
+    (dict(tools=[TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"type": ["array", "null"]}}}],
+          tool_choice={"type": "function", "function": {"name": "f"}}), "tools[1].function.parameters", "forced"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"enum": [1, 2]}}}],
+          tool_choice="required"), "tools", "do not compile"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
      "response_format", "not valid"),
     (dict(extra_body={"guided_regex": "(unclosed"}), "guided_regex", "not valid"),
@@ -106,10 +112,22 @@ def _bad(client, **kw):
     (dict(messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]),
      "messages[1].tool_calls[0].function.arguments", "JSON object"),
+    *[(dict(messages=[*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": ' * n + "1" + "}" * n}}]}]),
+       "messages[1].tool_calls[0].function.arguments", "nests deeper") for n in (65, 5000)],
 ])
 def test_bad_tool_and_constraint_fields_are_400_naming_them(served, kw, param, words):
     err = _bad(served[1], **kw)
     assert err["param"] == param and words in err["message"], err
+
+
+def test_parameters_that_are_no_object_are_taken_where_the_call_is_not_forced(served):
+    _, client = served
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    for kw in (dict(tools=[odd]), dict(tools=[odd, TOOLS[1]], tool_choice={"type": "function",
+                                                                           "function": {"name": "get_time"}})):
+        r = client.chat.completions.create(model=NAME, messages=MSGS, max_tokens=30, temperature=0, **kw)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 # -- with the library's constraints --------------------------------------------------------
@@ -146,6 +164,40 @@ def test_parallel_calls_each_validate(served):
         for name, args in calls:
             jsonschema.validate(args, SCHEMAS[name])
         assert c.message.content is None or c.message.content.startswith("<tool_call>") or c.finish_reason == "length"
+
+
+def _streamed_calls(chunks) -> tuple[list, list, str]:
+    """(calls as (name, arguments), finish reasons, content) of a streamed chat reply."""
+    calls, reasons, content = {}, [], ""
+    for chunk in chunks:
+        for c in chunk.choices:
+            reasons.append(c.finish_reason)
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = d.id or entry["id"]
+                entry["name"] += (d.function.name or "") if d.function else ""
+                entry["arguments"] += (d.function.arguments or "") if d.function else ""
+    return [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], reasons, content
+
+
+@landed
+def test_a_forced_reply_stops_at_a_repeated_call(served):
+    """With the end token banned, a forced reply of a function without arguments can only repeat its one
+    call: it ends at the first repeat, which is dropped, well before max_tokens, whole and streamed."""
+    model, client = served
+    ping = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
+                                                                             "additionalProperties": False}}}]
+    kw = dict(model=NAME, messages=MSGS, tools=ping, tool_choice="required", max_tokens=300, temperature=0,
+              logit_bias={str(t): -100 for t in model.eos_ids})
+    r = client.chat.completions.create(**kw)
+    [c] = r.choices
+    assert (_calls(c.message), c.finish_reason, c.message.content) == ([("ping", {})], "tool_calls", None)
+    assert r.usage.completion_tokens < 150
+    calls, reasons, content = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert (calls, reasons[-1], content) == ([("ping", {})], "tool_calls", "")
+    r = client.chat.completions.create(**{**kw, "max_tokens": 60}, parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
 
 
 @landed
@@ -216,8 +268,17 @@ def test_the_tool_calling_page_runs(smollm2, capsys):
     page = (Path(__file__).parent.parent / "docs" / "tool-calling.md").read_text()
     [block] = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "openai" in b]
     with slotinfer.Inferencer(smollm2, slots=2, max_len=2048) as inf:
-        with serving(build_app(inf, served_model_name="SmolLM2-135M-Instruct")) as url:
+        with serving(build_app(inf, served_model_name="smollm2")) as url:
             assert "http://127.0.0.1:8000" in block
-            exec(compile(block.replace("http://127.0.0.1:8000", url), "tool-calling.md", "exec"), {})
+            scope = {}
+            exec(compile(block.replace("http://127.0.0.1:8000", url), "tool-calling.md", "exec"), scope)
+            # greedy, SmolLM2 calls for Paris twice, then would again until max_tokens: the repeat is dropped
+            r = scope["client"].chat.completions.create(model="smollm2", messages=scope["messages"][:1],
+                                                        tools=scope["tools"], tool_choice="required", temperature=0,
+                                                        max_tokens=200)
     first, *rest = capsys.readouterr().out.splitlines()
     assert first.startswith("get_weather {'city': ") and rest, first
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})] and r.choices[0].finish_reason == "tool_calls"
+    turns = scope["messages"]  # every call of the first reply got its tool turn
+    assert [m["tool_call_id"] for m in turns if m["role"] == "tool"] == [c["id"] for c in turns[1]["tool_calls"]]

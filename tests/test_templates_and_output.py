@@ -261,31 +261,6 @@ def test_real_chat_templates_render_as_before(real_templates, messages, system, 
         assert render(compile_template(_jinja_env(), src), ctx) == want, name
 
 
-def test_real_chat_templates_are_not_much_slower(real_templates):
-    """The limits' checks cost a real template's render little (a loose bound: the machine is shared)."""
-    from slotinfer.tokenizer import _jinja_env
-
-    msgs = [{"role": ("user", "assistant")[i % 2], "content": "word " * 200} for i in range(100)]
-    ctx = {"messages": msgs, "add_generation_prompt": True, "bos_token": "<s>"}
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.globals["raise_exception"] = _raise_from_template
-
-    def ratio(a, b):  # best of interleaved runs: the other engineers' load hits both alike
-        ta, tb = [], []
-        for _ in range(9):
-            for fn, ts in ((a, ta), (b, tb)):
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    fn()
-                ts.append(time.perf_counter() - t0)
-        return min(ta) / min(tb)
-
-    for name, src in real_templates.items():
-        plain, bounded = env.from_string(src), compile_template(_jinja_env(), src)
-        ratio_ = ratio(lambda: render(bounded, ctx), lambda: plain.render(**ctx))
-        assert ratio_ < 4, f"{name}: {ratio_:.1f}x"
-
-
 # -- classify --output ---------------------------------------------------------------------
 
 def _classify(model, src, out, *extra, labels="yes,no"):

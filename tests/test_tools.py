@@ -109,6 +109,32 @@ def test_any_split_gives_the_same_content_and_calls(fmt, data):
     assert parser.calls == len(calls)
 
 
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
+@given(data=st.data())
+def test_a_repeated_call_is_seen_as_its_text_completes_in_any_split(fmt, data):
+    """A forced reply (calls only, as the grammar writes them): RepeatWatch says True on the delta that
+    completes the first call repeating an earlier one exactly, never before, whatever the split."""
+    calls = data.draw(st.lists(_CALL, min_size=1, max_size=5))
+    if fmt == HERMES:
+        texts = [f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls]
+        sep = "\n"
+    else:
+        texts = [json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls]
+        sep = "; "
+    text = sep.join(texts)
+    whole = parse(text, fmt)[1]
+    k = tools.first_repeat(whole)
+    assert k == next((i for i, c in enumerate(calls) if c in calls[:i]), None)
+    end = len(sep.join(texts[:k + 1])) if k is not None else None  # where the repeat's text completes
+    watch, at = tools.RepeatWatch(fmt), 0
+    for delta in _split(data, text):
+        at += len(delta)
+        seen = watch.feed(delta)
+        assert seen == (end is not None and at >= end and at - len(delta) < end), (text, at, end)
+        if seen:
+            break
+
+
 def test_streamed_content_is_not_held_longer_than_needed():
     p = StreamParser(HERMES)
     assert p.feed("Hello") == ["Hello"]
@@ -205,6 +231,21 @@ def test_a_forced_call_always_parses_and_follows_its_schema(request, family, fmt
         for call in calls:
             assert call.name == (name or call.name) and call.name in SCHEMAS
             jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+
+@pytest.mark.parametrize("params", [{"type": ["object", "null"], "properties": {"a": {"enum": [1, 2]}},
+                                     "additionalProperties": False},
+                                    {"properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
+                                     "additionalProperties": False}])
+def test_a_forced_calls_arguments_are_an_object_whatever_the_schema_also_allows(models, params):
+    fn = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    grammar = tools.forced_grammar(fn, HERMES)
+    rng = random.Random(3)
+    for _ in range(6):
+        text = _walk(models["qwen3"], grammar, rng)
+        content, calls = parse(text, HERMES)
+        assert content is None and calls, text
+        assert all(isinstance(json.loads(c.arguments), dict) for c in calls)
 
 
 def test_a_function_without_parameters_takes_any_object(models):

@@ -60,6 +60,26 @@ class Record:
     error: str | None = None
 
 
+def fused_label(model, labels, label_prefix: str, before: str) -> str | None:
+    """The end of ``before`` and a label as the model scores them, when the label runs on from a word or
+    a sentence's end with no space between ("sent off.sport"): a label is scored as the tokens of
+    ``label_prefix + label`` right after the text (:func:`slotinfer.classify.encode_labels`), and a
+    tokenizer that marks a word's leading space in its tokens scores "sport" there as no word starts.
+    None when every label starts a word of its own (after a space, a newline, an opening quote, or a
+    tokenizer that adds the space itself)."""
+    tok = model.tokenizer
+    ctx = tok.encode(before, add_special_tokens=False)
+    shown = tok.decode(ctx)
+    if not shown or not (shown[-1].isalnum() or shown[-1] in ".,:;!?"):
+        return None
+    for label in labels:
+        joined = tok.decode(ctx + tok.encode(label_prefix + label, add_special_tokens=False))
+        added = joined[len(shown):] if joined.startswith(shown) else ""
+        if added[:1].isalnum():
+            return joined[max(0, len(shown) - 12):]
+    return None
+
+
 # -- argument parsing ----------------------------------------------------------------
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -291,6 +311,12 @@ def _run(args) -> int:
         label_set = encode_labels(model, labels, args.label_prefix)  # fail before any line is written
     except InvalidRequestError as e:
         raise UsageError(f"--labels: {e}") from None
+    before = suffix or next((r.text for r in records if r.error is None and r.text), "")
+    fused = fused_label(model, labels, args.label_prefix, before)
+    if fused is not None:
+        where = "the template's end" if suffix else "each sentence"
+        print(f"slotinfer classify: warning: the labels run on from {where} with no space between (scored as "
+              f"{fused!r}); pass --label-prefix ' ' to score each label as a word of its own", file=sys.stderr)
     if prefix is not None:  # so does a prefix that leaves no room for a sentence
         opt = f"--template {args.template!r}" if args.template else "--prefix"
         try:

@@ -7,6 +7,17 @@ import os
 import sys
 
 
+class DefaultsShown(argparse.RawDescriptionHelpFormatter):
+    """--help that ends each option's text with its default, where it has one worth showing (not None or
+    off) that the text does not already give."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, False, argparse.SUPPRESS) or "(default" in text:
+            return text
+        return text + " (default: %(default)s)"
+
+
 def positive_int(text: str) -> int:
     """argparse ``type`` of a count: an int >= 1."""
     try:

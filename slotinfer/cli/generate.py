@@ -24,7 +24,7 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, help="prompt i draws with seed + i (reproducible in any batch)")
     p.add_argument("--stop", action="append", help="a stop string (repeat for several)")
     p.add_argument("--logprobs", type=int, nargs="?", const=0, metavar="N",
-                   help="record each token's logprob (and the top N alternatives)")
+                   help="record each token (its text and id) with its logprob, and the top N alternatives")
     p.add_argument("--json-schema", metavar="FILE",
                    help="a JSON schema file: every output is JSON valid against it (docs/structured-output.md)")
     p.add_argument("--regex", help="every output matches this regular expression in full")
@@ -104,10 +104,11 @@ def run(args) -> int:
             if len(texts) == 1 and handles[0] is not None and args.logprobs is None:
                 _stream(handles[0])  # one prompt: its text as it comes
                 if out is not None:
-                    _write_all(texts, handles, failed, out)
+                    _write_all(texts, handles, failed, out, model=model)
                 return 0
             show = args.progress if args.progress is not None else sys.stderr.isatty()
-            errors = _write_all(texts, handles, failed, out or sys.stdout, _Progress(len(texts)) if show else None)
+            errors = _write_all(texts, handles, failed, out or sys.stdout, _Progress(len(texts)) if show else None,
+                                model=model)
     finally:
         if out is not None:
             out.close()
@@ -158,10 +159,13 @@ def _stream(handle):
     sys.stdout.flush()  # a closed pipe fails here, inside main, rather than at exit
 
 
-def _write_all(texts, handles, failed, out, progress=None) -> int:
+def _write_all(texts, handles, failed, out, progress=None, model=None) -> int:
     """One record per prompt, in input order (the prompt recorded is the user's text, never the
-    template); returns how many are errors."""
-    errors = 0
+    template); returns how many are errors.  With logprobs, tokens are shown by their text, as the
+    server shows them, with their ids beside."""
+    from ..token_text import TokenText
+
+    errors, text_of = 0, TokenText(model.tokenizer).text if model is not None else None
     for i, (text, h) in enumerate(zip(texts, handles)):
         rec = {"prompt": text}
         try:
@@ -171,9 +175,10 @@ def _write_all(texts, handles, failed, out, progress=None) -> int:
             rec.update(text=c.text, finish_reason=c.finish_reason, prompt_tokens=c.prompt_tokens,
                        completion_tokens=len(c.tokens))
             if c.logprobs is not None:
-                rec.update(tokens=c.tokens, logprobs=c.logprobs)
+                rec.update(tokens=[text_of(t) for t in c.tokens], token_ids=c.tokens, logprobs=c.logprobs)
             if c.top_logprobs is not None:
-                rec["top_logprobs"] = [[[t, v] for t, v in top] for top in c.top_logprobs]
+                rec["top_logprobs"] = [[{"token": text_of(t), "id": t, "logprob": v} for t, v in top]
+                                       for top in c.top_logprobs]
         except Exception as e:
             rec.update(text="", finish_reason="error", error=str(e))
             errors += 1

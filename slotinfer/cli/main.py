@@ -18,6 +18,11 @@ def _version() -> str:
 
 
 def main(argv=None) -> int:
+    from .._package import shadowed
+
+    if shadowed():  # `python -m slotinfer` from the folder above a checkout
+        print(f"slotinfer: error: {shadowed()}", file=sys.stderr)
+        return 2
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C: one line and the shell's 128 + SIGINT, no traceback
@@ -47,8 +52,8 @@ def _main(argv=None) -> int:
     except ImportError:
         classify_cli = None
 
-    from .serve import add_parser as add_serve_parser
-    add_serve_parser(sub)
+    from . import serve as serve_cli
+    serve_parser = serve_cli.add_parser(sub)
 
     p = sub.add_parser("bench", help="decode throughput of the slot engine (tokens/s at several slot counts)")
     from .bench import add_arguments
@@ -57,6 +62,8 @@ def _main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate":
         generate_cli.check(gen, args)
+    if args.command == "serve":
+        serve_cli.check(serve_parser, args)
     try:
         return _dispatch(args, classify_cli)
     except BrokenPipeError:

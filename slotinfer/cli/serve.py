@@ -5,23 +5,36 @@ from __future__ import annotations
 import signal
 import socket
 import sys
+import time
 
 
 DEFAULT_MAX_LEN = 2048
 
 
+_MODEL_HELP = "a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)"
+_ABOUT = """An OpenAI-compatible HTTP server over one slot engine (docs/serve.md).
+
+Sampling: a request that leaves out temperature is sampled at 1.0, as OpenAI's API does; send
+temperature 0 for greedy output. (slotinfer generate is greedy unless given --temperature.)"""
+
+
 def add_parser(sub):
     from .. import settings
-    from .common import byte_size, positive_int
+    from .common import DefaultsShown, byte_size, positive_int
 
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)")
-    p.add_argument("model", help="a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)", description=_ABOUT,
+                       formatter_class=DefaultsShown)
+    p.add_argument("model", nargs="?", help=_MODEL_HELP + "; or give it as --model")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as MODEL: " + _MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 answers this machine only")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0 picks a free one, printed at start)")
     p.add_argument("--slots", type=positive_int, default=32, help="sequences decoded together")
     p.add_argument("--max-len", type=positive_int, default=None,
                    help="tokens one request may hold, prompt and output (default 2048, or the model's context if "
                         "shorter; at most the model's context)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=512, metavar="N",
+                   help="padded prompt tokens one prefill chunk (or classify unit) holds; smaller chunks keep "
+                        "running streams flowing beside long prompts and classifications")
     p.add_argument("--kv-cache-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="the K/V pool every slot draws its blocks from, e.g. 2GiB (default: what slots x max-len "
                         "tokens take, at most a quarter of the memory); a request waits until its prompt and "
@@ -38,13 +51,25 @@ def add_parser(sub):
                    help="require 'Authorization: Bearer KEY' (default: $SLOTINFER_API_KEY; none: open)")
     p.add_argument("--served-model-name", help="the model's name in the API (default: the folder's name, the GGUF file's name "
                         "without .gguf and its quantization suffix, or the hub id)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 << 20,
+                   help="larger request bodies get 413 (default: 8388608, 8 MiB)")
     p.add_argument("--read-timeout", type=float, default=30.0,
-                   help="seconds a request's body may take to arrive; a slower one gets 408 (default 30)")
+                   help="seconds a request's body may take to arrive; a slower one gets 408")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are cancelled")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log")
     return p
+
+
+def check(parser, args):
+    """MODEL, given as the argument or as --model (once): a usage error otherwise."""
+    given = {m for m in (args.model, args.model_flag) if m is not None}
+    if not given:
+        parser.error("a model is required: slotinfer serve MODEL (or --model MODEL)")
+    if len(given) > 1:
+        parser.error(f"the model is given twice, as {args.model!r} and as --model {args.model_flag!r}; give it once")
+    args.model = given.pop()
 
 
 def run(args) -> int:
@@ -73,9 +98,12 @@ def run(args) -> int:
               f"tokens; give at most {model.context_length}", file=sys.stderr)
         return 2
     inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
+                               prefill_tokens=args.prefill_tokens,
                                prefix_cache_bytes=0 if args.no_prefix_cache else args.prefix_cache_bytes,
                                kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes)
     try:
+        took = warm_up(inf)
+        print(f"slotinfer serve: prefill and decode steps compiled in {took:.1f} s", file=sys.stderr, flush=True)
         app = build_app(inf, served_model_name=args.served_model_name, api_key=args.api_key,
                         max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
@@ -100,6 +128,16 @@ def run(args) -> int:
     finally:
         inf.close(drain=False, timeout=args.grace_period)  # whatever is left ends as cancelled
     return 0
+
+
+def warm_up(inf) -> float:
+    """Seconds taken to run one short request through ``inf`` before any client's: MLX compiles the
+    prefill and the decode step on first use, on the Inferencer's worker thread, where they then stay,
+    so the first client does not wait for that.  The app's metrics count from after it."""
+    t0 = time.perf_counter()
+    one = inf.model.encode_prompt("Hello")[-1:]  # a one-token prompt, then a decode step: fits any --max-len
+    inf.generate(one, max_tokens=min(2, inf.engine.max_len - 1), ignore_eos=True)
+    return time.perf_counter() - t0
 
 
 def _bind(host: str, port: int) -> socket.socket:

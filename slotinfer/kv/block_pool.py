@@ -42,7 +42,7 @@ ZERO, TRASH = 0, 1  # reserved ids: the table padding (never written) and the si
 RESERVED = 2
 # Tokens of one block of the engine's pool, and of the reference's (Model.generate): decode reads
 # blocks through paged_attend, which sums P.V block by block, so both must cut at the same place.
-# 128: the smallest size whose paged decode attention holds today's speed (docs/benchmarks.md).
+# 128: the smallest size whose paged decode attention holds today's speed (docs/kv-cache.md).
 KV_BLOCK_SIZE = 128
 
 

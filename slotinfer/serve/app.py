@@ -56,6 +56,7 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_page, methods=["GET"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", server.model_page, methods=["GET"]),  # a served name may be org/name
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
         Route("/v1/classify", server.classify, methods=["POST"]),
@@ -117,9 +118,20 @@ class _Server:
 
     async def models(self, request: Request):
         self._authorize(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.name, "object": "model", "created": self.created, "owned_by": "slotinfer",
-             "max_model_len": self.inf.engine.max_len}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model_page(self, request: Request):
+        """``GET /v1/models/{name}``, as the openai client's ``models.retrieve`` asks: the served model, else 404."""
+        try:
+            self._authorize(request)
+            self._check_model(request.path_params["name"])
+        except APIError as e:
+            return e.response()
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "slotinfer",
+                "max_model_len": self.inf.engine.max_len}
 
     # -- generation -----------------------------------------------------------------
 
@@ -144,7 +156,8 @@ class _Server:
         except Exception as e:
             return self._refuse(endpoint, e, req)
         self.metrics.prompt_tokens.inc(prompt_tokens)
-        shaper = Shaper(chat, self.name, self.token_text, self.tool_format if req.tools else None)
+        shaper = Shaper(chat, self.name, self.token_text, self.tool_format if req.tools else None,
+                        stop_repeats=bool(req.tools) and req.tool_choice == "required" and req.parallel_tool_calls)
         if req.stream:
             return EventStream(self._stream(req, handles, shaper, t0, prompt_tokens, endpoint), handles)
         return await self._complete(request, req, handles, shaper, t0, prompt_tokens, endpoint)
@@ -237,8 +250,10 @@ class _Server:
         return handles, sum(map(len, prompts))
 
     async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint):
-        rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0))) for h in handles]
+        rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0), shaper, i))
+                for i, h in enumerate(handles)]
         everything = asyncio.gather(*rows)
+        everything.add_done_callback(_retrieved)  # cancelled when the client leaves: no one else reads it
         gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait([everything, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -254,16 +269,19 @@ class _Server:
             results = everything.result()
         except Exception as e:
             return self._refuse(endpoint, e)
-        if any(c.finish_reason == "cancelled" for c in results):  # the server ended it: shutting down
+        if any(c.finish_reason == "cancelled" and i not in shaper.repeated for i, c in enumerate(results)):
+            # the server ended it: shutting down
             self.metrics.outcome(endpoint, "cancelled")
             return cut_short().response()
         self.metrics.outcome(endpoint, "ok")
         used = usage(prompt_tokens, sum(len(c.tokens) for c in results), _cached(req, results))
         return JSONResponse(shaper.completion([(i, c, req.logprobs) for i, c in enumerate(results)], used))
 
-    async def _drain(self, handle, timer):
-        async for _ in handle:
+    async def _drain(self, handle, timer, shaper, i):
+        async for ev in handle:
             timer.tick()
+            if shaper.watch(i, ev.text):  # a forced reply repeated a call: it ends here
+                handle.cancel()
         return handle.result()
 
     async def _stream(self, req, handles, shaper, t0, prompt_tokens, endpoint):
@@ -273,6 +291,10 @@ class _Server:
             timer = Timer(self.metrics, t0)
             async for ev in handle:
                 timer.tick()
+                if i in shaper.repeated:  # stopped at a repeated call: what it wrote after is not read
+                    continue
+                if shaper.watch(i, ev.text):
+                    handle.cancel()
                 events.put_nowait((i, ev))
             events.put_nowait((i, None))
 
@@ -295,7 +317,7 @@ class _Server:
                 except Exception as e:  # this request's rows failed; the stream says so and ends
                     failed = from_exception(e)
                     break
-                if c.finish_reason == "cancelled":  # the server ended it (shutting down), not the model
+                if c.finish_reason == "cancelled" and i not in shaper.repeated:  # the server ended it (shutting down)
                     failed = cut_short()
                     break
                 generated += len(c.tokens)
@@ -433,6 +455,13 @@ class _Server:
 
     async def _json(self, request: Request) -> dict:
         return await read_json(request, self.max_body, self.read_timeout)
+
+
+def _retrieved(future: asyncio.Future):
+    """Mark ``future``'s outcome as read: a gather cancelled with its client ends holding a CancelledError
+    that asyncio would otherwise log, with a traceback, as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _cached(req, results) -> int:

@@ -69,8 +69,10 @@ def from_exception(e: BaseException, *, retry_after: int = 1, max_tokens_key: st
         return APIError(400, e.describe(max_tokens_key), param=param, code="context_length_exceeded")
     if isinstance(e, (InvalidRequestError, TokenizerError)):  # request.check names the parameter in .param
         return APIError(400, str(e), param=getattr(e, "param", None))
-    if isinstance(e, QueueFull):
-        return APIError(429, f"the server is at capacity: {e}", type="rate_limit_error", code="rate_limit_exceeded",
+    if isinstance(e, QueueFull):  # the library's advice (block=True) is no HTTP client's: say what one can do
+        return APIError(429, f"the server is at capacity: every slot is busy and its admission queue is full; retry "
+                             f"after the Retry-After header's {retry_after} s, or have the server started with a "
+                             f"larger --max-queue", type="rate_limit_error", code="rate_limit_exceeded",
                         headers={"Retry-After": str(retry_after)})
     if isinstance(e, EngineClosed):
         return APIError(503, "the server is shutting down and takes no new requests", type="server_error",

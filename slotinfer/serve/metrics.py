@@ -12,21 +12,25 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
+    """The server's metrics, counted from the app's start: what the Inferencer ran before (the server's
+    warm-up, a program's own use) is not this server's traffic."""
+
     def __init__(self, inferencer):
         r = self.registry = CollectorRegistry()
+        base = inferencer.stats()
         stat = lambda key: (lambda: inferencer.stats()[key])  # noqa: E731  read at scrape time
         Gauge("slotinfer_requests_running", "Requests holding a slot", registry=r).set_function(stat("active_slots"))
         Gauge("slotinfer_requests_waiting", "Requests waiting for a slot or K/V blocks", registry=r).set_function(stat("waiting"))
         Gauge("slotinfer_prefill_tokens_per_second", "Prefill tokens/s since start (time in prefill only)",
-              registry=r).set_function(stat("prefill_tokens_per_s"))
+              registry=r).set_function(lambda: _rate(inferencer.stats(), base, "prefill_tokens", "prefill_s"))
         Gauge("slotinfer_decode_tokens_per_second", "Decode tokens/s since start (time in engine steps only)",
-              registry=r).set_function(stat("decode_tokens_per_s"))
+              registry=r).set_function(lambda: _rate(inferencer.stats(), base, "decode_tokens", "step_s"))
         Gauge("slotinfer_kv_blocks_used", "K/V pool blocks held by requests",
               registry=r).set_function(stat("blocks_used"))
         Gauge("slotinfer_kv_blocks_free", "K/V pool blocks free", registry=r).set_function(stat("blocks_free"))
         Gauge("slotinfer_kv_block_tokens", "Tokens one K/V block holds", registry=r).set_function(stat("block_tokens"))
-        r.register(PrefixCacheCollector(inferencer))
-        r.register(PreemptedCollector(inferencer))
+        r.register(PrefixCacheCollector(inferencer, base.get("prefix_cache") or {}))
+        r.register(PreemptedCollector(inferencer, base.get("preempted", 0)))
         self.requests = Counter("slotinfer_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("slotinfer_prompt_tokens", "Prompt tokens taken", registry=r)
@@ -55,8 +59,8 @@ class PrefixCacheCollector:
     GAUGES = {"bytes": "Bytes the cache holds", "budget_bytes": "The cache's byte budget",
               "blocks": "Blocks the cache holds"}
 
-    def __init__(self, inferencer):
-        self.inferencer = inferencer
+    def __init__(self, inferencer, base: dict):
+        self.inferencer, self.base = inferencer, base
 
     def describe(self):
         return []  # collected at scrape time only
@@ -65,7 +69,7 @@ class PrefixCacheCollector:
         st = self.inferencer.stats().get("prefix_cache") or {}
         for key, text in self.COUNTERS.items():
             c = CounterMetricFamily(f"slotinfer_prefix_cache_{key}", text)
-            c.add_metric([], st.get(key, 0))
+            c.add_metric([], st.get(key, 0) - self.base.get(key, 0))
             yield c
         for key, text in self.GAUGES.items():
             g = GaugeMetricFamily(f"slotinfer_prefix_cache_{key}", text)
@@ -76,15 +80,22 @@ class PrefixCacheCollector:
 class PreemptedCollector:
     """Requests preempted so far (the K/V pool ran short; each resumed by recompute)."""
 
-    def __init__(self, inferencer):
-        self.inferencer = inferencer
+    def __init__(self, inferencer, base: int):
+        self.inferencer, self.base = inferencer, base
 
     def describe(self):
         return []
 
     def collect(self):
         yield CounterMetricFamily("slotinfer_preempted", "Requests preempted because the K/V pool ran short, "
-                                  "each resumed later by recompute", value=self.inferencer.stats().get("preempted", 0))
+                                  "each resumed later by recompute",
+                                  value=self.inferencer.stats().get("preempted", 0) - self.base)
+
+
+def _rate(now: dict, base: dict, tokens: str, seconds: str) -> float:
+    """Tokens per second of the work since ``base`` (0 before any)."""
+    spent = now[seconds] - base[seconds]
+    return (now[tokens] - base[tokens]) / spent if spent > 0 else 0.0
 
 
 class Timer:

@@ -6,17 +6,26 @@ import json
 import time
 import uuid
 
-from ..tools import StreamParser, ToolCall, parse
+from ..token_text import TokenText
+from ..tools import RepeatWatch, StreamParser, ToolCall, first_repeat, parse
+
+__all__ = ["Shaper", "TokenText", "usage", "finish_reason", "sse", "DONE"]
 
 
 class Shaper:
     """Builds the bodies of one request (one id, one ``created``), completion or chat."""
 
-    def __init__(self, chat: bool, model: str, token_text: TokenText, tool_format: str | None = None):
+    def __init__(self, chat: bool, model: str, token_text: TokenText, tool_format: str | None = None, *,
+                 stop_repeats: bool = False):
         self.chat, self.model = chat, model
         self.tool_format = tool_format  # chat with tools: replies are parsed for calls in this format
         self._parsers: dict[int, StreamParser] = {}
         self._calls: dict[int, int] = {}  # tool calls streamed so far, per choice
+        # a forced reply with parallel calls ends at its first call that repeats an earlier one (dropped)
+        self.stop_repeats = stop_repeats
+        self._watches: dict[int, RepeatWatch] = {}
+        self.repeated: set[int] = set()  # choices whose reply repeated a call: the server stops their rows
+        self._streamed: dict[int, list] = {}  # the calls streamed so far, per choice; None once one repeated
         self.token_text = lambda t: token_text(t)[0]
         self.token_bytes = lambda t: list(token_text(t)[1])
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -36,10 +45,13 @@ class Shaper:
                       "logprobs": self.logprobs(c.tokens, c.logprobs, c.top_logprobs) if lp else None}
             if self.chat and self.tool_format:
                 content, calls = parse(c.text, self.tool_format)
+                repeat = first_repeat(calls) if self.stop_repeats else None
+                if repeat is not None:  # stopped at the repeat: the calls before it, nothing after
+                    content, calls = None, calls[:repeat]
                 choice["message"] = {"role": "assistant", "content": content}
                 if calls:
                     choice["message"]["tool_calls"] = [call.openai() for call in calls]
-                    if c.finish_reason != "length":  # a reply cut short says so, whatever calls it holds
+                    if c.finish_reason != "length" or repeat is not None:  # a reply cut short says so
                         choice["finish_reason"] = "tool_calls"
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
@@ -68,9 +80,20 @@ class Shaper:
         return [self.chunk(index, "".join(p for p in parts if isinstance(p, str)), logprobs=logprobs),
                 *self._call_chunks(index, parts)]
 
+    def watch(self, index: int, text: str) -> bool:
+        """Whether choice ``index``'s reply, with ``text`` added, repeated a call (with ``stop_repeats``):
+        its row is to be stopped, and nothing it writes after ``text`` is read."""
+        if not self.stop_repeats or index in self.repeated:
+            return index in self.repeated
+        if self._watches.setdefault(index, RepeatWatch(self.tool_format)).feed(text):
+            self.repeated.add(index)
+        return index in self.repeated
+
     def end_chunks(self, index: int, reason: str) -> list[str]:
         """The last chunks of a choice: with tools, what was held back, then the finish reason."""
         out = []
+        if index in self.repeated:
+            reason = "tool_calls"
         if self.tool_format:
             parser = self._parser(index)
             parts = parser.finish()
@@ -89,6 +112,12 @@ class Shaper:
         out = []
         for call in parts:
             if isinstance(call, ToolCall):
+                if self.stop_repeats:  # the first repeat and whatever follows it are dropped
+                    seen = self._streamed.setdefault(index, [])
+                    if seen and seen[-1] is None or first_repeat([*seen, call]) is not None:
+                        seen.append(None)
+                        continue
+                    seen.append(call)
                 k = self._calls[index] = self._calls.get(index, -1) + 1
                 head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
                 out += [self._delta(index, {"tool_calls": [head]}),
@@ -128,49 +157,6 @@ class Shaper:
         if ev.logprob is None:
             return None
         return self.logprobs([ev.token], [ev.logprob], [ev.top_logprobs] if ev.top_logprobs is not None else None)
-
-
-class TokenText:
-    """Each token's own bytes and text, for logprobs (cached: bounded by the vocabulary).
-
-    A byte-level BPE token (GPT-2's byte-to-character map) or a ``<0xNN>`` byte token may hold
-    part of a UTF-8 character: its ``bytes`` are exact, its text shows what decodes.
-    """
-
-    def __init__(self, tokenizer):
-        import tokenizers
-
-        self.tokenizer, self._cache = tokenizer, {}
-        self._byte_level = isinstance(tokenizer.backend.decoder, tokenizers.decoders.ByteLevel)
-        self._unbyte = {c: b for b, c in _bytes_to_unicode().items()}
-
-    def __call__(self, token: int) -> tuple[str, bytes]:
-        got = self._cache.get(token)
-        if got is None:
-            got = self._cache[token] = self._compute(token)
-        return got
-
-    def _compute(self, token: int) -> tuple[str, bytes]:
-        tok = self.tokenizer
-        piece = tok.id_to_token(token) if 0 <= token < tok.vocab_size else None
-        data = None
-        if piece is not None and tok.is_byte_token(token):
-            data = bytes([int(piece[3:5], 16)])
-        elif piece is not None and self._byte_level and all(c in self._unbyte for c in piece):
-            data = bytes(self._unbyte[c] for c in piece)
-        text = tok.decode([token])
-        return text, data if data is not None else text.encode("utf-8")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map of the 256 byte values to printable characters (byte-level BPE vocabularies)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
-    out, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

@@ -23,6 +23,7 @@ from .errors import bad_param
 MAX_N = 64  # choices per request: each is a slot's worth of work
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 MAX_TOOLS = 128  # as OpenAI's API
+MAX_ARGUMENT_DEPTH = 64  # levels an earlier call's arguments may nest: the prompt's renderers recurse on them
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # as OpenAI's API
 
 # The fields each endpoint takes (docs/serve.md): OpenAI's, then slotinfer's extensions (vLLM's among them).
@@ -142,14 +143,7 @@ def _penalties(body, params: dict):
     if bias:
         if not isinstance(bias, dict):
             raise bad_param("logit_bias", f"'logit_bias' must be an object of token id: bias, got {short(bias)}")
-        ids = {}
-        for key, value in bias.items():
-            try:
-                ids[int(key)] = value
-            except ValueError:
-                raise bad_param("logit_bias", f"'logit_bias' keys must be token ids (integers, as strings), got "
-                                              f"{short(key)}") from None
-        params["logit_bias"] = _library("logit_bias", ids)
+        params["logit_bias"] = _library("logit_bias", bias)  # keys: a token id's decimal text, as JSON has it
 
 
 # vLLM's structured_outputs keys -> the library's parameters; guided_X is the older spelling of each
@@ -296,7 +290,24 @@ def _tools(body, req: GenerateRequest):
     if req.tool_choice != "auto" and req.constrained_by:
         raise bad_param(req.constrained_by, f"'tool_choice' {short(choice)} constrains the output to a tool call "
                                             f"already; leave out '{req.constrained_by}', or set tool_choice to 'auto'")
+    if req.tool_choice != "auto":
+        for i, t in enumerate(checked):
+            _check_forced(t["function"], i, req.tool_choice, choice)
     req.tools = checked
+
+
+def _check_forced(fn: dict, i: int, forced: str, choice):
+    """A forced call's arguments are a JSON object: a function that may be forced (every one with
+    "required", else the one named) must not declare its parameters as anything else."""
+    kind = fn.get("parameters", {}).get("type", "object")
+    others = {"string", "number", "integer", "boolean", "array", "null"}  # JSON Schema's (other names: 400 at compile)
+    if forced not in ("required", fn["name"]) or (kind not in others if isinstance(kind, str) else
+                                                  not isinstance(kind, list) or "object" in kind):
+        return
+    where = f"tools[{i}].function.parameters"
+    raise bad_param(where, f"{where} has type {short(kind)}, but a call's arguments are a JSON object: with "
+                           f"'tool_choice' {short(choice)} the call is forced, so give the function "
+                           f"{{'type': 'object', 'properties': {{...}}}} parameters")
 
 
 def _tool(t, i) -> dict:
@@ -354,15 +365,34 @@ def _message_calls(calls, where) -> list:
             raise bad_param(at, f"{at} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
                                 f"'arguments': '{{...}}'}}}}, got {short(c)}")
         args = fn.get("arguments", "{}")
+        value, deep = None, False
         try:
-            ok = isinstance(json.loads(args) if isinstance(args, str) else args, dict)
+            value = json.loads(args) if isinstance(args, str) else args
+            deep = _depth(value) > MAX_ARGUMENT_DEPTH
         except ValueError:
-            ok = False
-        if not ok:
+            pass
+        except RecursionError:
+            deep = True
+        if deep:
+            raise bad_param(f"{at}.function.arguments", f"{at}.function.arguments nests deeper than "
+                                                        f"{MAX_ARGUMENT_DEPTH} levels; flatten the call's arguments")
+        if not isinstance(value, dict):
             raise bad_param(f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object (as text), "
                                                         f"got {short(args)}")
         out.append({**c, "function": {**fn, "arguments": args}})
     return out
+
+
+def _depth(value) -> int:
+    """How deep a JSON value nests (counted up to one past MAX_ARGUMENT_DEPTH), without recursion."""
+    most, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            most = max(most, d)
+            if d <= MAX_ARGUMENT_DEPTH:
+                todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return most
 
 
 def parse_classify(body: dict, limits: ClassifyLimits) -> ClassifyRequest:

@@ -1,7 +1,7 @@
 // Loops for the parts of a decode step around its products, each one MLX node where MLX's own ops
 // take five to thirty-five: RMSNorm, rope applied from a step's tables, and attention of one new
 // token per row over K/V kept in pool blocks.  At one row a step's cost is MLX's cost per node,
-// not arithmetic (docs/benchmarks.md, "Where a one-sequence step goes").
+// not arithmetic (docs/quantized-cpu.md, "Where a one-sequence step goes").
 //
 // Each loop computes a row from that row's inputs alone, in an order fixed by the code: the same
 // result for a row alone as in any batch.  The bodies are plain C++ written so the compiler

@@ -1,0 +1,160 @@
+"""The drafter: a row's drafting state, the sources asked in order, and the per-step choice.
+
+Each step the engine asks :meth:`Drafter.step` for every live row's draft, verifies the drafts in
+its one batched pass, and hands each row the tokens it took with :meth:`Drafter.append`.  Every
+draft proposed, verified or not, is scored against the tokens that actually came, so a row whose
+gate is shut still learns when copying starts (a shut gate costs a dictionary lookup a step, not
+a verified position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from .forced import ForcedTokens
+from .gate import Acceptance, CostModel, plan
+from .lookup import NgramIndex, PromptLookup
+from .pool import SuffixPool
+
+
+class Row:
+    """One request's drafting state: its tokens (prompt and output) with their n-gram index, its
+    ``cache_salt``, its constraint's matcher (or None), and the acceptance of each source."""
+
+    __slots__ = ("index", "salt", "matcher", "acceptance", "pending", "fed")
+
+    def __init__(self, index: NgramIndex, *, salt: str | None = None, matcher=None,
+                 acceptance: dict[str, Acceptance] | None = None):
+        self.index, self.salt, self.matcher = index, salt, matcher
+        self.acceptance = acceptance or {}
+        # source -> (start, draft, verified): drafts waiting for the tokens that score them
+        self.pending: dict[str, tuple[int, list[int], bool]] = {}
+        self.fed = 0  # tokens already given to the suffix pool
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.index.tokens
+
+
+class Drafter:
+    """Draft sources asked cheapest first, behind a per-row gate and a per-step policy.
+
+        >>> drafter = Drafter()
+        >>> row = drafter.row(prompt_ids, salt=None, matcher=None)
+        >>> drafts = drafter.step([row])          # [[d1, ..., dk]] or [[]], one list per row
+        >>> drafter.append(row, taken)            # the tokens the verify pass accepted, plus its own
+        >>> drafter.finish(row)
+
+    ``sources``: objects with ``name`` and ``propose(row, k) -> list[int]``, and optionally
+    ``prior``, the ``(accepted, misses)`` a new row's acceptance starts from (default ``(0, 1)``:
+    shut until shadow drafts show it pays); by default forced tokens, then prompt lookup, then a
+    suffix pool shared by this drafter's rows.  A constrained row's drafts from other sources are
+    cut where its grammar would refuse them (``LLMatcher.validate_tokens``).
+    """
+
+    def __init__(self, sources: Sequence | None = None, *, lookup: PromptLookup | None = None,
+                 pool: SuffixPool | None = None, cost: CostModel | None = None, decay: float = 0.9):
+        self.lookup = lookup or PromptLookup()
+        self.pool = pool if pool is not None else SuffixPool()
+        self.sources = list(sources) if sources is not None else [ForcedTokens(), self.lookup, self.pool]
+        self._learns = any(s is self.pool for s in self.sources)
+        self.cost = cost or CostModel()
+        self.decay = decay
+        self.drafted = self.accepted = 0  # tokens of verified drafts, and those accepted
+
+    def row(self, prompt: Iterable[int], *, salt: str | None = None, matcher=None) -> Row:
+        acceptance = {}
+        for s in self.sources:
+            accepted, misses = getattr(s, "prior", (0.0, 1.0))
+            acceptance[s.name] = Acceptance(self.decay, accepted=accepted, rejected=misses)
+        row = Row(self.lookup.index(prompt), salt=salt, matcher=matcher, acceptance=acceptance)
+        self._feed(row)
+        return row
+
+    def propose(self, row: Row, k: int) -> tuple[str, list[int]] | None:
+        """The first source with a draft for ``row``, and that draft (at most ``k`` tokens)."""
+        for source in self.sources:
+            draft = self._draft(row, source, k)
+            if draft:
+                return source.name, draft
+        return None
+
+    def step(self, rows: Sequence[Row], live: int | None = None) -> list[list[int]]:
+        """This step's draft for each row (``[]`` where it does not speculate).
+
+        ``live``: rows in the step (``len(rows)`` by default; more when rows that never draft share
+        it).  A row drafts from the first source whose gate is open; the drafts of shut sources
+        are kept in the shadow and scored when the tokens come.
+        """
+        live = len(rows) if live is None else live
+        chosen: list[tuple[Row, str, list[int]] | None] = []
+        candidates, at = [], []
+        for row in rows:
+            pick = None
+            for source in self.sources:
+                draft = self._draft(row, source, self.cost.max_k)
+                if not draft:
+                    continue
+                a = row.acceptance[source.name].rate
+                if self.cost.opens(a):
+                    pick = (row, source.name, draft)
+                    break
+                self._shadow(row, source.name, draft)
+            chosen.append(pick)
+            if pick is not None:
+                at.append(len(chosen) - 1)
+                candidates.append((row.acceptance[pick[1]].rate, len(pick[2])))
+        ks = plan(candidates, live, self.cost)
+        out: list[list[int]] = [[] for _ in rows]
+        for i, k in zip(at, ks):
+            row, name, draft = chosen[i]
+            if k == 0:
+                self._shadow(row, name, draft)
+                continue
+            out[i] = draft[:k]
+            row.pending[name] = (len(row.tokens), out[i], True)
+            self.drafted += k
+        return out
+
+    def append(self, row: Row, tokens: Iterable[int]) -> None:
+        """The tokens ``row`` took this step (accepted draft tokens and the one sampled after)."""
+        row.index.extend(tokens)
+        self._score(row, ended=False)
+        self._feed(row)
+
+    def finish(self, row: Row) -> None:
+        """The row ended.  A draft it ended inside counts what it got right among the verified
+        tokens, but is not scored against the gate: what would have come next is unknown."""
+        self._score(row, ended=True)
+        row.pending.clear()
+        self._feed(row)
+
+    def _score(self, row: Row, ended: bool) -> None:
+        have = row.tokens
+        for name, (start, draft, verified) in list(row.pending.items()):
+            seen = have[start:start + len(draft)]
+            right = 0
+            while right < len(seen) and seen[right] == draft[right]:
+                right += 1
+            whole = right < len(seen) or len(seen) == len(draft)  # a miss, or the whole draft seen
+            if whole:
+                row.acceptance[name].record(len(draft), right)
+            if whole or ended:
+                self.accepted += right if verified else 0
+                del row.pending[name]
+
+    @staticmethod
+    def _draft(row: Row, source, k: int) -> list[int]:
+        draft = source.propose(row, k)
+        if draft and row.matcher is not None and not isinstance(source, ForcedTokens):
+            draft = draft[:row.matcher.validate_tokens(draft)]
+        return draft
+
+    def _shadow(self, row: Row, name: str, draft: list[int]) -> None:
+        if name not in row.pending:
+            row.pending[name] = (len(row.tokens), draft, False)
+
+    def _feed(self, row: Row) -> None:
+        if self._learns and row.fed < len(row.tokens):
+            self.pool.learn(row.tokens, row.salt, start=row.fed)
+            row.fed = len(row.tokens)
