@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import slotinfer  # noqa: E402,F401  before MLX: slotinfer swaps in its BLAS
 import mlx.core as mx  # noqa: E402
 from slotinfer import default_model  # noqa: E402
-from slotinfer.engine import POSITION_COST, Engine  # noqa: E402
+from slotinfer.engine import BANDWIDTH_ROWS, POSITION_COST, Engine  # noqa: E402
 from slotinfer.spec import CostModel, Drafter  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -93,9 +93,10 @@ def load_sets(model, gen):
     }
 
 
-def run(engine, reqs, draft_tokens, position_cost):
+def run(engine, reqs, draft_tokens, position_cost, bandwidth_rows):
     if engine.speculative:
-        engine.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens))
+        engine.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,
+                                                bandwidth_rows=bandwidth_rows))
     for k in ("steps", "spec_passes", "spec_drafted", "spec_accepted", "decode_tokens"):
         engine.counters[k] = 0
     items = [engine.make_item(ids, **params) for ids, params in reqs]
@@ -124,6 +125,8 @@ def main():
     ap.add_argument("--gen", type=int, default=96, help="tokens generated per prompt")
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--position-cost", type=float, default=POSITION_COST)
+    ap.add_argument("--bandwidth-rows", type=int, default=BANDWIDTH_ROWS,
+                    help="positions per step (rows and drafts) past which nobody drafts")
     ap.add_argument("--only", help="run the workloads whose name contains this")
     args = ap.parse_args()
     model, why = default_model.load()
@@ -138,7 +141,7 @@ def main():
         return
     sets = load_sets(model, args.gen)
     print(f"\n{args.rounds} counted rounds, gen {args.gen}, draft_tokens {args.draft_tokens}, "
-          f"position_cost {args.position_cost}")
+          f"position_cost {args.position_cost}, bandwidth_rows {args.bandwidth_rows}")
     print(f"{'workload':<28} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} {'accept':>6} {'tok/pass':>8} "
           f"{'steps off/on':>12}")
     for name, (slots, reqs) in sets.items():
@@ -153,7 +156,8 @@ def main():
         for r in range(args.rounds + 1):
             got = {}
             for m in ((True, False) if r % 2 else (False, True)):
-                rate, outs, c = run(engines[m], reqs, args.draft_tokens, args.position_cost)
+                rate, outs, c = run(engines[m], reqs, args.draft_tokens, args.position_cost,
+                                    args.bandwidth_rows)
                 got[m] = (rate, outs)
                 steps[m] = c["steps"]
                 if m:

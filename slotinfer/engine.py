@@ -38,7 +38,11 @@ from .structured import words
 from .verify import Verifier, accepted, fix_rows, group_masks
 
 SPECULATIVE = (None, "ngram")  # what ``speculative`` takes: off, or drafts from n-grams (and forced tokens)
-POSITION_COST = 0.31  # an extra verified position's cost, as a fraction of a one-row step (docs/speculative.md)
+# The gate's constants on the 2-core CPU (benchmarks/bench_spec.py --calibrate, docs/speculative.md): an
+# extra verified position costs about 0.2 of a one-row step up to 4 rows in a step, and a step's cost
+# about doubles from 4 rows to 6, so nobody drafts past 4 positions.
+POSITION_COST = 0.2
+BANDWIDTH_ROWS = 4
 
 _ids = itertools.count(1)
 
@@ -133,7 +137,7 @@ class Engine:
     def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512,
                  prefix_cache_bytes: int | None = None, kv_dtype=None, kv_cache_bytes: int | None = None,
                  block_size: int = KV_BLOCK_SIZE, speculative: str | None = None, draft_tokens: int = 8,
-                 position_cost: float = POSITION_COST):
+                 position_cost: float = POSITION_COST, bandwidth_rows: int = BANDWIDTH_ROWS):
         if speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, got {speculative!r}")
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or not 1 <= draft_tokens <= 32:
@@ -160,8 +164,8 @@ class Engine:
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
         self.speculative = speculative
-        self.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens)) \
-            if speculative else None
+        self.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,
+                                              bandwidth_rows=bandwidth_rows)) if speculative else None
         self.verifier = Verifier(model.net, self.table, slots * (draft_tokens + 1)) if speculative else None
         self.items = ItemProcessor(self.table)
         self.rows = RowParams(slots, model.config.vocab_size)

@@ -45,8 +45,8 @@ def requests(draw, sampled=False):
     return out
 
 
-# Speculation on: the n-gram drafter with its gate opening at the first right shadow draft.
-SPECULATIVE = dict(speculative="ngram", draft_tokens=4, position_cost=0.01)
+# Speculation on: the n-gram drafter with its gate opening at the first right shadow draft, at any row count.
+SPECULATIVE = dict(speculative="ngram", draft_tokens=4, position_cost=0.01, bandwidth_rows=64)
 
 
 def run_schedule(model, reqs, slots, prefill_tokens, *, on_step=None, spec=False):
