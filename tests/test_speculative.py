@@ -277,3 +277,22 @@ def test_bad_options_are_refused(models):
         Engine(m, slots=1, max_len=16, speculative="eagle")
     with pytest.raises(ValueError, match="draft_tokens"):
         Engine(m, slots=1, max_len=16, speculative="ngram", draft_tokens=0)
+
+
+def test_metrics_count_draft_tokens(models):
+    """The server's /metrics exposition carries the drafted and accepted tokens since its start."""
+    pytest.importorskip("prometheus_client")
+    import slotinfer
+    from slotinfer.serve.metrics import Metrics
+
+    m = models["llama"]
+    with slotinfer.Inferencer(m, slots=1, max_len=128, speculative="ngram", draft_tokens=4) as inf:
+        metrics = Metrics(inf)
+        inf.engine.drafter = Drafter(sources=[Oracle([([3, 4] * 8, [])], 1.0, random.Random(0))],
+                                     cost=CostModel(position_cost=0.01, max_k=4))
+        inf.generate([3, 4] * 8, max_tokens=20, ignore_eos=True)
+        text = metrics.exposition()[0].decode()
+        s = inf.stats()
+    assert s["spec_drafted"] > 0
+    assert f"slotinfer_spec_draft_tokens_total {float(s['spec_drafted'])}" in text
+    assert f"slotinfer_spec_accepted_tokens_total {float(s['spec_accepted'])}" in text
