@@ -68,6 +68,10 @@ class Inferencer:
     hold its prompt, and waits otherwise; it takes a block more as its output crosses each block
     boundary, and when none is free the newest request is preempted, to resume later by recompute
     with the same output (``stats()["preempted"]`` counts them); ``max_len`` caps one request.
+    ``speculative="ngram"`` lets rows draft up to ``draft_tokens`` tokens (prompt lookup, a suffix
+    pool shared by requests of the same ``cache_salt``, a constraint's forced tokens) and verifies
+    them inside the batched step, where a gate expects it to pay; the output is the same
+    (docs/speculative.md).  ``stats()`` counts ``spec_drafted`` and ``spec_accepted`` tokens.
 
     Lifetime: :meth:`close` it (or use ``with``); a closed Inferencer holds no thread and
     is freed with its slot table once you drop it.  One dropped without ``close()`` finishes
@@ -82,11 +86,13 @@ class Inferencer:
 
     def __init__(self, model, *, slots: int = 32, max_len: int = 2048, prefill_tokens: int = 512,
                  max_queue: int = 0, prefix_cache_bytes: int | None = None, kv_dtype=None,
-                 kv_cache_bytes: int | None = None, start: bool = True):
+                 kv_cache_bytes: int | None = None, speculative: str | None = None, draft_tokens: int = 8,
+                 start: bool = True):
         if not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0 (0: unbounded), got {max_queue!r}")
         self.engine = Engine(model, slots=slots, max_len=max_len, prefill_tokens=prefill_tokens,
-                             prefix_cache_bytes=prefix_cache_bytes, kv_dtype=kv_dtype, kv_cache_bytes=kv_cache_bytes)
+                             prefix_cache_bytes=prefix_cache_bytes, kv_dtype=kv_dtype, kv_cache_bytes=kv_cache_bytes,
+                             speculative=speculative, draft_tokens=draft_tokens)
         self.model = model
         # The handoff between threads: requests submitted since the worker's last turn, which
         # moves them all into the engine's one waiting queue.  ``_backlog`` is the worker's count

@@ -45,9 +45,14 @@ def requests(draw, sampled=False):
     return out
 
 
-def run_schedule(model, reqs, slots, prefill_tokens, *, on_step=None):
+# Speculation on: the n-gram drafter with its gate opening at the first right shadow draft, at any row count.
+SPECULATIVE = dict(speculative="ngram", draft_tokens=4, position_cost=0.01, bandwidth_rows=64)
+
+
+def run_schedule(model, reqs, slots, prefill_tokens, *, on_step=None, spec=False):
     """Feed requests to an engine at their arrival steps; return it and their handles in request order."""
-    engine = Engine(model, slots=slots, max_len=MAX_LEN, prefill_tokens=prefill_tokens)
+    engine = Engine(model, slots=slots, max_len=MAX_LEN, prefill_tokens=prefill_tokens,
+                    **(SPECULATIVE if spec else {}))
     return engine, feed(engine, reqs, on_step=on_step)
 
 
@@ -72,10 +77,10 @@ def slot_counts():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@given(reqs=requests(), slots=slot_counts(), prefill=st.sampled_from([4, 16, 512]))
-def test_greedy_output_is_token_exact(models, family, reqs, slots, prefill):
+@given(reqs=requests(), slots=slot_counts(), prefill=st.sampled_from([4, 16, 512]), spec=st.booleans())
+def test_greedy_output_is_token_exact(models, family, reqs, slots, prefill, spec):
     m = models[family]
-    engine, handles = run_schedule(m, reqs, slots, prefill)
+    engine, handles = run_schedule(m, reqs, slots, prefill, spec=spec)
     for (_, ids, params), h in zip(reqs, handles):
         got, want = h.result(0), m.generate(ids, **params)
         assert got.tokens == want.tokens
@@ -84,10 +89,10 @@ def test_greedy_output_is_token_exact(models, family, reqs, slots, prefill):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
-@given(reqs=requests(sampled=True), slots=slot_counts(), prefill=st.sampled_from([4, 512]))
-def test_seeded_sampling_is_batch_independent(models, family, reqs, slots, prefill):
+@given(reqs=requests(sampled=True), slots=slot_counts(), prefill=st.sampled_from([4, 512]), spec=st.booleans())
+def test_seeded_sampling_is_batch_independent(models, family, reqs, slots, prefill, spec):
     m = models[family]
-    _, handles = run_schedule(m, reqs, slots, prefill)
+    _, handles = run_schedule(m, reqs, slots, prefill, spec=spec)
     for (_, ids, params), h in zip(reqs, handles):
         assert h.result(0).tokens == m.generate(ids, **params).tokens
 
@@ -138,8 +143,10 @@ def test_every_item_ends_exactly_once(models, reqs, slots, cancels, raisers):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-@given(data=st.data(), slots=st.integers(1, 4), blocks=st.integers(1, 4), prefill=st.sampled_from([64, 512]))
-def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, family, data, slots, blocks, prefill):
+@given(data=st.data(), slots=st.integers(1, 4), blocks=st.integers(1, 4), prefill=st.sampled_from([64, 512]),
+       spec=st.booleans())
+def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, family, data, slots, blocks, prefill,
+                                                                      spec):
     """A K/V pool of a few blocks holds fewer requests than the slots: the others wait in the FIFO
     for blocks, and running ones that cross into a block none is free for preempt the newest, which
     resumes later by recompute.  One that cannot fit even alone is refused at submit, naming
@@ -151,7 +158,7 @@ def test_a_tiny_kv_budget_makes_requests_wait_and_serves_each_as_alone(models, f
     each = block_bytes(num_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                        dtype=mx.float32, block_size=KV_BLOCK_SIZE)
     engine = Engine(m, slots=slots, max_len=600, prefill_tokens=prefill, kv_cache_bytes=(blocks + 2) * each,
-                    prefix_cache_bytes=0)
+                    prefix_cache_bytes=0, **(SPECULATIVE if spec else {}))
     reqs = data.draw(st.lists(st.tuples(st.integers(0, 6), st.lists(st.integers(3, 500), min_size=1, max_size=300),
                                         st.integers(1, 48), st.sampled_from([{}, dict(temperature=0.9, seed=3)])),
                               min_size=1, max_size=6))

@@ -52,6 +52,8 @@ def add_arguments(p):
     p.add_argument("--gen-tokens", type=positive_int, default=64)
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per point; the median is printed")
     p.add_argument("--dtype", help="compute dtype override (default: the device policy)")
+    from .common import add_speculative_flags
+    add_speculative_flags(p)
     p.add_argument("--max-len-sweep", action="store_true", help="decode step time vs max_len 512..8192")
     p.add_argument("--mixed", action="store_true", help="continuous vs static batching on mixed lengths")
     p.add_argument("--mixed-slots", type=positive_int, default=16, help="slots (and static batch size) for --mixed")
@@ -97,9 +99,11 @@ def engine_tokens_per_s(model, slots: int, prompt_tokens: int, gen_tokens: int, 
         handles = [inf.submit(p, max_tokens=gen_tokens, ignore_eos=True) for p in prompts]
         results = [h.result() for h in handles]
         wall = time.perf_counter() - t0
+        st = inf.stats()
     n = sum(len(r.tokens) for r in results)
     first = max(r.metrics["time_to_first_token_s"] for r in results)
-    return {"tokens_per_s": n / wall, "decode_tokens_per_s": (n - slots) / max(wall - first, 1e-9), "wall_s": wall}
+    return {"tokens_per_s": n / wall, "decode_tokens_per_s": (n - slots) / max(wall - first, 1e-9), "wall_s": wall,
+            "spec_drafted": st["spec_drafted"], "spec_accepted": st["spec_accepted"]}
 
 
 def step_time_vs_max_len(model, slots=8, live=128, lens=(512, 2048, 8192)) -> dict:
@@ -329,10 +333,13 @@ def run(args) -> int:
             print(f"  {mode:>10}: {r[mode + '_steps']} decode steps, {r[mode + '_rows']:.1f} live rows per step")
         return 0
     print(f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated each; median of {args.repeats}")
-    print(f"{'slots':>5} {'tokens/s':>10} {'decode tokens/s':>16}")
+    spec = dict(speculative=args.speculative, draft_tokens=args.draft_tokens) if args.speculative else {}
+    print(f"{'slots':>5} {'tokens/s':>10} {'decode tokens/s':>16}" + (f" {'drafted':>8} {'accepted':>8}" if spec else ""))
     for slots in args.slots:
-        runs = [engine_tokens_per_s(model, slots, args.prompt_tokens, args.gen_tokens) for _ in range(args.repeats)]
+        runs = [engine_tokens_per_s(model, slots, args.prompt_tokens, args.gen_tokens, **spec)
+                for _ in range(args.repeats)]
         agg = statistics.median(r["tokens_per_s"] for r in runs)
         dec = statistics.median(r["decode_tokens_per_s"] for r in runs)
-        print(f"{slots:>5} {agg:>10.1f} {dec:>16.1f}", flush=True)
+        drafts = f" {runs[-1]['spec_drafted']:>8} {runs[-1]['spec_accepted']:>8}" if spec else ""
+        print(f"{slots:>5} {agg:>10.1f} {dec:>16.1f}{drafts}", flush=True)
     return 0

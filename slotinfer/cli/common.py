@@ -33,6 +33,24 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "t": 1000**4, "tb": 1000**4}
 
 
+def draft_tokens(text: str) -> int:
+    """argparse ``type`` of ``--draft-tokens``: an int in 1..32."""
+    n = positive_int(text)
+    if n > 32:
+        raise argparse.ArgumentTypeError(f"expected an int in 1..32, got {text!r}")
+    return n
+
+
+def add_speculative_flags(parser):
+    """``--speculative`` and ``--draft-tokens`` (docs/speculative.md)."""
+    parser.add_argument("--speculative", nargs="?", const="ngram", choices=["ngram"], default=None,
+                        help="draft tokens from n-grams of the request's own text, of other requests with the same "
+                             "cache_salt and from a constraint's forced tokens, and verify them inside the batched "
+                             "step where a gate expects it to pay; the output is the same (default: off)")
+    parser.add_argument("--draft-tokens", type=draft_tokens, default=8, metavar="N",
+                        help="the longest draft a request verifies in one step, 1..32, with --speculative")
+
+
 def byte_size(text: str) -> int:
     """argparse ``type`` of a size in bytes: ``2GiB``, ``512MiB``, ``1.5GB``, ``1000000`` (>= 0)."""
     t = text.strip().lower().replace(" ", "")

@@ -10,7 +10,7 @@ import time
 
 
 def add_parser(sub):
-    from .common import positive_int
+    from .common import add_speculative_flags, positive_int
 
     p = sub.add_parser("generate", help="generate for prompts (arguments, or one per stdin line)")
     p.add_argument("--model", required=True, help="a model folder, a GGUF file, or a hub id (org/name, org/name:file.gguf)")
@@ -31,6 +31,7 @@ def add_parser(sub):
     p.add_argument("--choice", action="append", help="every output is one of these strings (repeat for each)")
     p.add_argument("--grammar", metavar="FILE", help="a Lark grammar file every output follows")
     p.add_argument("--slots", type=positive_int, default=32)
+    add_speculative_flags(p)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--system", help="a system message (implies --chat)")
     p.add_argument("--output", "-o", help="write the JSON records to this file (one per line)")
@@ -98,7 +99,8 @@ def run(args) -> int:
         if not live:
             return _failures(_write_all(texts, [None] * len(texts), failed, out or sys.stdout), len(texts))
         max_len = max(len(ids) + min(args.max_tokens, model.context_length - len(ids)) for ids in live)
-        with slotinfer.Inferencer(model, slots=min(args.slots, len(live)), max_len=max(max_len, 2)) as inf:
+        with slotinfer.Inferencer(model, slots=min(args.slots, len(live)), max_len=max(max_len, 2),
+                                  speculative=args.speculative, draft_tokens=args.draft_tokens) as inf:
             handles = [None if ids is None else _submit(inf, ids, params, args.seed, i, failed)
                        for i, ids in enumerate(prompts)]
             if len(texts) == 1 and handles[0] is not None and args.logprobs is None:

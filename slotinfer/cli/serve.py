@@ -20,7 +20,7 @@ temperature 0 for greedy output. (slotinfer generate is greedy unless given --te
 
 def add_parser(sub):
     from .. import settings
-    from .common import DefaultsShown, byte_size, positive_int
+    from .common import DefaultsShown, add_speculative_flags, byte_size, positive_int
 
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the 'serve' extra)", description=_ABOUT,
                        formatter_class=DefaultsShown)
@@ -45,6 +45,7 @@ def add_parser(sub):
     p.add_argument("--no-prefix-cache", action="store_true", help="keep no K/V across requests")
     p.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="the dtype K/V are kept in (default: the model's compute dtype); float16 halves their memory")
+    add_speculative_flags(p)
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; past it a request gets 429 (0: unbounded)")
     p.add_argument("--api-key", default=settings.api_key(),
@@ -100,7 +101,8 @@ def run(args) -> int:
     inf = slotinfer.Inferencer(model, slots=args.slots, max_len=args.max_len, max_queue=args.max_queue,
                                prefill_tokens=args.prefill_tokens,
                                prefix_cache_bytes=0 if args.no_prefix_cache else args.prefix_cache_bytes,
-                               kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes)
+                               kv_dtype=args.kv_dtype, kv_cache_bytes=args.kv_cache_bytes,
+                               speculative=args.speculative, draft_tokens=args.draft_tokens)
     try:
         took = warm_up(inf)
         print(f"slotinfer serve: prefill and decode steps compiled in {took:.1f} s", file=sys.stderr, flush=True)

@@ -34,6 +34,15 @@ from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .sampling import RowParams, SamplingParams, spread, top_n_computed
 from .scheduler import Scheduler
 from .structured import wait_for_any, words
+from .verify import Verifier, accepted, fix_rows, group_masks
+from ..spec import CostModel, Drafter
+
+SPECULATIVE = (None, "ngram")  # what ``speculative`` takes: off, or drafts from n-grams (and forced tokens)
+# The gate's constants on the 2-core CPU (benchmarks/bench_spec.py --calibrate, docs/speculative.md): an
+# extra verified position costs about 0.2 of a one-row step up to 4 rows in a step, and a step's cost
+# about doubles from 4 rows to 6, so nobody drafts past 4 positions.
+POSITION_COST = 0.2
+BANDWIDTH_ROWS = 4
 
 _ids = itertools.count(1)
 
@@ -74,6 +83,38 @@ class _Issued:
 
 
 @dataclass
+class _Group:
+    """One running item's part in a speculative step: its rows ``start .. start + len(drafts)``."""
+
+    slot: int
+    item: Item
+    first: bool
+    decoded: bool
+    start: int
+    drafts: list
+
+
+@dataclass
+class _Verified:
+    """A decode step over rows as positions (:mod:`slotinfer.verify`) in flight.
+
+    ``slots`` stacks each slot's input token (and with logprobs the Encoder's first token's
+    logprob), ``rows`` each row's sampled token (and its logprob); ``extra`` holds the top-n ids
+    and values of the rows, then of the first tokens.  ``sampled``, ``seen`` and ``counts`` stay on
+    the device for :func:`~slotinfer.verify.fix_rows`.
+    """
+
+    slots: mx.array
+    rows: mx.array
+    groups: list[_Group]
+    top_n: int
+    extra: list
+    sampled: mx.array
+    seen: object
+    counts: object
+
+
+@dataclass
 class _OnHost:
     """A step's results on the host, ``[b]`` arrays indexed by slot."""
 
@@ -95,7 +136,12 @@ class _OnHost:
 class Engine:
     def __init__(self, model, *, slots: int, max_len: int, prefill_tokens: int = 512,
                  prefix_cache_bytes: int | None = None, kv_dtype=None, kv_cache_bytes: int | None = None,
-                 block_size: int = KV_BLOCK_SIZE):
+                 block_size: int = KV_BLOCK_SIZE, speculative: str | None = None, draft_tokens: int = 8,
+                 position_cost: float = POSITION_COST, bandwidth_rows: int = BANDWIDTH_ROWS):
+        if speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE}, got {speculative!r}")
+        if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or not 1 <= draft_tokens <= 32:
+            raise ValueError(f"draft_tokens must be an int in 1..32, got {draft_tokens!r}")
         if not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an int >= 1, got {slots!r}")
         if not isinstance(max_len, int) or max_len < 2:
@@ -117,6 +163,10 @@ class Engine:
                                else prefix_cache_bytes)
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
+        self.speculative = speculative
+        self.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,
+                                              bandwidth_rows=bandwidth_rows)) if speculative else None
+        self.verifier = Verifier(model.net, self.table, slots * (draft_tokens + 1)) if speculative else None
         self.items = ItemProcessor(self.table)
         self.rows = RowParams(slots, model.config.vocab_size)
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
@@ -126,7 +176,7 @@ class Engine:
         mx.eval(self.tokens, self.rows.temperature, self.rows.top_k, self.rows.top_p, self.rows.min_p,
                 self.rows.penalty, self.rows.seeds, self.rows.steps)
         self.counters = dict(steps=0, decode_tokens=0, prefill_tokens=0, prefill_s=0.0, step_s=0.0,
-                             occupancy=0, submitted=0, preempted=0)
+                             occupancy=0, submitted=0, preempted=0, spec_passes=0, spec_drafted=0, spec_accepted=0)
         self.scheduler = Scheduler(self.items, self.table, self.counters)
         self._t0 = time.perf_counter()
 
@@ -208,10 +258,13 @@ class Engine:
         if admitted:
             self._occupancy_changed(admitted)
         firsts = self._prefill()
-        if self._pending is not None and self._needs_previous(firsts):
-            previous, self._pending = self._pending, None  # constrained rows need its tokens for their masks
+        if self._pending is not None and (isinstance(self._pending, _Verified) or self._needs_previous(firsts)
+                                          or self._may_draft()):
+            # constrained rows need its tokens for their masks, drafts for what to draft from; a
+            # speculative step's lengths are known once read
+            previous, self._pending = self._pending, None
             self._process(previous)
-        issued = self._decode(firsts)
+        issued = self._decode(firsts, self._drafts(firsts))
         previous, self._pending = self._pending, issued
         if previous is not None:
             self._process(previous)
@@ -286,7 +339,136 @@ class Engine:
         self.counters["prefill_s"] += time.perf_counter() - t0
         return done
 
-    def _decode(self, firsts) -> _Issued | None:
+    # -- speculation -------------------------------------------------------------
+
+    def _may_draft(self) -> bool:
+        """Whether some running row could verify a draft this step (its gate is open for a source,
+        and the step is not compute-bound): only then is the step in flight read back first."""
+        d = self.drafter
+        if d is None:
+            return False
+        running = self.items.running()
+        return not d.cost.compute_bound(len(running)) and any(
+            it.draft is not None and d.may_draft(it.draft) for it in running)
+
+    def _sync_draft(self, item: Item):
+        """``item``'s drafting row holds its prompt and every token the host has of it."""
+        row = item.draft
+        if row is None:
+            row = item.draft = self.drafter.row(item.prompt, salt=item.salt,
+                                                matcher=item.constraint.matcher if item.constraint else None)
+        have = len(row.tokens) - len(item.prompt)
+        if len(item.tokens) > have:
+            self.drafter.append(row, item.tokens[have:])
+
+    def _drafts(self, firsts) -> dict:
+        """This step's drafts, ``{id(item): [tokens]}``: only rows whose tokens are all on the host,
+        at most their tokens left less one and their table's room.  Rows with a token in flight are
+        asked too, so shut gates still learn from their shadow drafts, but never verify one."""
+        d = self.drafter
+        if d is None:
+            return {}
+        fresh = {id(it) for it in firsts}
+        cands = [it for it in self.scheduler.decoding() if id(it) not in fresh]
+        for it in cands:
+            self._sync_draft(it)
+        if not cands or d.cost.compute_bound(len(cands) + len(firsts)):
+            return {}
+        limits = [min(it.max_tokens - it.issued - 1, self.max_len - int(self.table.lengths[it.slot]) - 1)
+                  for it in cands]
+        out = {}
+        for it, draft in zip(cands, d.step([it.draft for it in cands], len(cands) + len(firsts), limits)):
+            if not draft:
+                continue
+            if len(it.tokens) != it.issued:
+                d.withdraw(it.draft)
+            else:
+                out[id(it)] = draft
+        return out
+
+    def _verify(self, firsts, needed, drafts) -> _Verified:
+        """Issue one step over rows as positions (:mod:`slotinfer.verify`)."""
+        needed = sorted(needed, key=lambda it: it.slot)
+        running = self.items.running()
+        top_n = self._top_n(running)
+        fx = self._first_extra if firsts else None
+        groups = [(it.slot, drafts.get(id(it), [])) for it in needed]
+        masks = group_masks(groups, [it.constraint for it in needed], words(self.model.config.vocab_size))
+        sampled, seen, counts, extra = self.verifier.step(self.tokens, groups, self.gen, self.rows, top_n=top_n,
+                                                          masks=masks)
+        slots = [self.tokens.astype(mx.float32)]
+        rows = [sampled.astype(mx.float32)]
+        if top_n >= 0:
+            slots.append(fx[0] if fx else mx.zeros((self.slots,)))
+            rows.append(extra[0])
+        first_set = {id(it) for it in firsts}
+        start, at = 0, {}
+        for it, (_, d) in zip(needed, groups):
+            at[id(it)] = start
+            start += 1 + len(d)
+        out_groups = [_Group(it.slot, it, id(it) in first_set, id(it) in at, at.get(id(it), -1),
+                             drafts.get(id(it), [])) for it in running]
+        v = _Verified(mx.stack(slots), mx.stack(rows), out_groups, top_n, [], sampled, seen, counts)
+        if top_n > 0:
+            v.extra = [*extra[1:], *(fx[1:] if fx else [mx.zeros((self.slots, extra[1].shape[1]), dtype=extra[1].dtype),
+                                                         mx.zeros((self.slots, extra[2].shape[1]))])]
+        mx.async_eval(v.slots, v.rows, *v.extra, *(a for a in (seen, counts) if a is not None))
+        c = self.counters
+        for it in needed:
+            self.table.lengths[it.slot] += 1
+            self.gen[it.slot] += 1
+            it.issued += 1
+            if drafts.get(id(it)):
+                c["spec_passes"] += 1
+                c["spec_drafted"] += len(drafts[id(it)])
+        c["steps"] += 1
+        c["occupancy"] += len(needed)
+        return v
+
+    def _process_verified(self, v: _Verified):
+        slot_host, row_host = np.array(v.slots), np.array(v.rows)
+        tops = [np.array(a) for a in v.extra] if v.top_n > 0 else None
+        lp = v.top_n >= 0
+        fix_slots, fix_rows_ = [], []
+        for g in v.groups:
+            item = g.item
+            if item.state is not State.DECODING or item.slot != g.slot:
+                continue
+            try:
+                if g.first and self.items.accept(
+                        item, int(slot_host[0][g.slot]), float(slot_host[1][g.slot]) if lp else None,
+                        list(zip(tops[2][g.slot].tolist(), tops[3][g.slot].tolist())) if tops else None):
+                    continue
+                if not g.decoded:
+                    continue
+                k = len(g.drafts)
+                sampled = row_host[0][g.start:g.start + k + 1].astype(np.int64)
+                a = accepted(sampled, g.drafts)
+                self.table.lengths[g.slot] += a  # rejection is a length update
+                self.gen[g.slot] += a
+                item.issued += a
+                self.counters["spec_accepted"] += a
+                done = False
+                for j in range(a + 1):
+                    r = g.start + j
+                    self.counters["decode_tokens"] += 1
+                    if self.items.accept(item, int(sampled[j]), float(row_host[1][r]) if lp else None,
+                                         list(zip(tops[0][r].tolist(), tops[1][r].tolist())) if tops else None):
+                        done = True
+                        break
+                if not done:
+                    fix_slots.append(g.slot)
+                    fix_rows_.append(g.start + a)
+                    if k:
+                        self.table.trim(g.slot)  # blocks taken for rejected positions go back
+            except BaseException as e:
+                if not owned_by_request(e):
+                    raise
+                self.items.finish(item, "error", EngineError(
+                    f"request {item.id} failed while its token was processed: {type(e).__name__} ({e!r})"))
+        self.tokens = fix_rows(self.tokens, self.rows, fix_slots, fix_rows_, v.sampled, v.seen, v.counts)
+
+    def _decode(self, firsts, drafts=None) -> _Issued | _Verified | None:
         """Issue one decode step for the running items that still need tokens.
 
         An item whose in-flight steps already cover its ``max_tokens`` gets no more
@@ -295,15 +477,24 @@ class Engine:
         """
         if not self.items.running():
             return None
-        while (needed := self.scheduler.grow_or_preempt(firsts, self._pending is not None)) is None:
+        drafts = drafts or {}
+        given = dict(drafts)
+        while (needed := self.scheduler.grow_or_preempt(firsts, self._pending is not None, drafts)) is None:
             previous, self._pending = self._pending, None  # the items it finishes give their blocks back
             self._process(previous)
+        if len(drafts) < len(given):  # no blocks for them: given up first
+            for it in self.items.running():
+                if id(it) in given and id(it) not in drafts:
+                    self.drafter.withdraw(it.draft)
         running = self.items.running()
         if not needed and not firsts:
             masking = [it.constraint for it in running if it.constraint is not None and it.in_step]
             if masking and self._pending is None:
                 wait_for_any(masking, 0.05)  # only masks are awaited: wait for them instead of spinning
             return None
+        needed_ids = {id(it) for it in needed}
+        if any(k in needed_ids for k in drafts):
+            return self._verify(firsts, needed, drafts)
         first_set, needed_set = {id(it) for it in firsts}, {id(it) for it in needed}
         top_n = self._top_n(running)
         fx = self._first_extra if firsts else None
@@ -340,7 +531,10 @@ class Engine:
         fixed count covering every row's ask (each row is cut to its own on the host)."""
         return top_n_computed(max((it.top_logprobs for it in items), default=-1), self.model.config.vocab_size)
 
-    def _process(self, issued: _Issued):
+    def _process(self, issued: _Issued | _Verified):
+        if isinstance(issued, _Verified):
+            self._process_verified(issued)
+            return
         host = issued.to_host()
         for row in issued.rows:
             item = row.item
@@ -404,6 +598,10 @@ class Engine:
             "peak_memory_bytes": mx.get_peak_memory(),
             "uptime_s": time.perf_counter() - self._t0,
             "prefix_cache": self.table.cache_stats(),
+            "speculative": self.speculative,
+            "spec_acceptance": c["spec_accepted"] / c["spec_drafted"] if c["spec_drafted"] else 0.0,
+            "spec_tokens_per_pass": (c["spec_accepted"] + c["spec_passes"]) / c["spec_passes"]
+            if c["spec_passes"] else 0.0,
         }
 
 

@@ -78,6 +78,7 @@ class Item:
     frequency: float = 0.0
     logit_bias: dict | None = None
     constraint: object = None  # a structured.Constraint: the tokens it may take next, advanced by each accepted
+    draft: object = None  # its spec.Row while the engine speculates: its tokens, indexed for drafting
     issued: int = 0  # tokens asked of the device so far (the Encoder's first, then one per decode step)
     state: State = State.WAITING  # changed only by ItemProcessor.move
     tokens: list[int] = field(default_factory=list)

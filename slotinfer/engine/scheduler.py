@@ -64,7 +64,7 @@ class Scheduler:
         return [it for it in self.items.running() if it.issued < it.max_tokens and it.in_step
                 and (it.constraint is None or it.constraint.ready())]  # a mask still computing: sits out
 
-    def grow_or_preempt(self, firsts: list[Item], step_in_flight: bool) -> list[Item] | None:
+    def grow_or_preempt(self, firsts: list[Item], step_in_flight: bool, extra: dict | None = None) -> list[Item] | None:
         """Give each row of :meth:`decoding` the block its token is written to; returns those items.
 
         When the free blocks fall short and a step is in flight, returns None: read it back first
@@ -72,15 +72,23 @@ class Scheduler:
         in a slot is preempted, and again, until the rest fit; the oldest always fits alone
         (``Engine.make_item`` refuses what does not), so it always progresses.  A preempted item
         leaves ``firsts`` (its first token, not yet read, is computed again on its return).
+
+        ``extra``: draft tokens each item (by id) verifies this step, whose positions need blocks
+        too.  They are the first thing given up: when the blocks fall short, ``extra`` is emptied
+        before anything else.
         """
         table = self.table
         while True:
             needed = self.decoding()
             slots = [it.slot for it in needed]
-            tokens = [int(table.lengths[s]) + 1 for s in slots]
+            tokens = [int(table.lengths[it.slot]) + 1 + len(extra.get(id(it), ())) if extra else
+                      int(table.lengths[it.slot]) + 1 for it in needed]
             if not table.blocks_missing(slots, tokens):
                 table.grow(slots, tokens)
                 return needed
+            if extra:
+                extra.clear()
+                continue
             if step_in_flight:
                 return None
             victim = max((it for it in self.items.by_slot if it is not None), key=lambda it: it.id)

@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import json_numbers, settings
 from ._grammar_worker import compile_checked
-from ..errors import GrammarError
+from ..errors import EngineError, GrammarError
 from .grammar_compile import COMPILER, first_lines, on_big_stack
 from ..request import CONSTRAINTS
 
@@ -116,6 +116,23 @@ class Constraint:
         that failed leaves the row free (its token is never used) and fails the request at that token."""
         self.wait()
         bitmask[row] = -1 if self.error is not None else self._mask[0]
+
+    def fill_along(self, drafts, bitmask: np.ndarray, row: int):
+        """:meth:`fill` ``bitmask[row]``, then ``bitmask[row + j]`` with the tokens allowed after the
+        drafts ``d_1 .. d_j`` (a speculating row's verify step masks each position with its own), the
+        matcher left as it was.  The drafts were checked against the grammar when drafted."""
+        self.fill(bitmask, row)
+        took = 0
+        try:
+            for j, token in enumerate(drafts, 1):
+                if not self.matcher.consume_token(int(token)):
+                    raise EngineError(f"draft token {token} is not allowed by the request's {self.kind}: a bug in "
+                                      f"slotinfer's drafting, please report it")
+                took += 1
+                llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row + j)
+        finally:
+            if took:
+                self.matcher.rollback(took)
 
     def advance(self, token: int) -> bool:
         """Take ``token``; True when the output is complete (nothing but an end token may follow)."""

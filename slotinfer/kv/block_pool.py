@@ -192,6 +192,16 @@ class BlockPool:
         self.held[slot] = want
         return new
 
+    def shrink(self, slot: int, tokens: int) -> None:
+        """``slot`` gives back the blocks past those that hold ``tokens`` tokens (a speculative step's
+        rejected positions), its last first; they hold nothing registered."""
+        have, want = int(self.held[slot]), self.blocks_for(tokens)
+        if want >= have:
+            return
+        self._release(self.tables[slot, want:have].tolist())
+        self.tables[slot, want:have] = ZERO
+        self.held[slot] = want
+
     def share(self, slot: int, blocks) -> None:
         """Start the empty ``slot``'s table with ``blocks`` (a cached prefix from :meth:`lookup`),
         each one reference more."""

@@ -144,6 +144,10 @@ class SlotTable:
         need = sum(self.pool.needed(s, int(n)) for s, n in zip(slots, tokens))
         return max(0, need - self.pool.num_free)
 
+    def trim(self, slot: int):
+        """``slot`` keeps the blocks its length and the next step's write need; the rest go back."""
+        self.pool.shrink(slot, int(self.lengths[slot]) + 1)
+
     def grow(self, slots, tokens):
         """Grow each of ``slots`` to hold its ``tokens`` tokens (check :meth:`blocks_missing` first)."""
         for s, n in zip(slots, tokens):

@@ -31,6 +31,7 @@ class Metrics:
         Gauge("slotinfer_kv_block_tokens", "Tokens one K/V block holds", registry=r).set_function(stat("block_tokens"))
         r.register(PrefixCacheCollector(inferencer, base.get("prefix_cache") or {}))
         r.register(PreemptedCollector(inferencer, base.get("preempted", 0)))
+        r.register(SpeculativeCollector(inferencer, base))
         self.requests = Counter("slotinfer_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("slotinfer_prompt_tokens", "Prompt tokens taken", registry=r)
@@ -90,6 +91,25 @@ class PreemptedCollector:
         yield CounterMetricFamily("slotinfer_preempted", "Requests preempted because the K/V pool ran short, "
                                   "each resumed later by recompute",
                                   value=self.inferencer.stats().get("preempted", 0) - self.base)
+
+
+class SpeculativeCollector:
+    """Speculative decoding's draft tokens verified and accepted, and its verify passes (0 while off)."""
+
+    COUNTERS = {"spec_drafted": ("slotinfer_spec_draft_tokens", "Draft tokens verified in decode steps"),
+                "spec_accepted": ("slotinfer_spec_accepted_tokens", "Draft tokens accepted (equal to the model's own)"),
+                "spec_passes": ("slotinfer_spec_verify_passes", "Rows that verified a draft in a decode step")}
+
+    def __init__(self, inferencer, base: dict):
+        self.inferencer, self.base = inferencer, base
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        st = self.inferencer.stats()
+        for key, (name, text) in self.COUNTERS.items():
+            yield CounterMetricFamily(name, text, value=st.get(key, 0) - self.base.get(key, 0))
 
 
 def _rate(now: dict, base: dict, tokens: str, seconds: str) -> float:

@@ -79,20 +79,23 @@ class Drafter:
                 return source.name, draft
         return None
 
-    def step(self, rows: Sequence[Row], live: int | None = None) -> list[list[int]]:
+    def step(self, rows: Sequence[Row], live: int | None = None,
+             limits: Sequence[int] | None = None) -> list[list[int]]:
         """This step's draft for each row (``[]`` where it does not speculate).
 
         ``live``: rows in the step (``len(rows)`` by default; more when rows that never draft share
-        it).  A row drafts from the first source whose gate is open; the drafts of shut sources
-        are kept in the shadow and scored when the tokens come.
+        it).  ``limits``: the longest draft each row may verify (its tokens left, its table's room;
+        default ``cost.max_k``).  A row drafts from the first source whose gate is open; the drafts
+        of shut sources are kept in the shadow and scored when the tokens come.
         """
         live = len(rows) if live is None else live
         chosen: list[tuple[Row, str, list[int]] | None] = []
         candidates, at = [], []
-        for row in rows:
+        for i, row in enumerate(rows):
             pick = None
+            limit = self.cost.max_k if limits is None else min(self.cost.max_k, limits[i])
             for source in self.sources:
-                draft = self._draft(row, source, self.cost.max_k)
+                draft = self._draft(row, source, limit) if limit > 0 else []
                 if not draft:
                     continue
                 a = row.acceptance[source.name].rate
@@ -115,6 +118,18 @@ class Drafter:
             row.pending[name] = (len(row.tokens), out[i], True)
             self.drafted += k
         return out
+
+    def may_draft(self, row: Row) -> bool:
+        """Whether some source's gate is open for ``row`` (else :meth:`step` only shadows it)."""
+        return any(self.cost.opens(a.rate) for a in row.acceptance.values())
+
+    def withdraw(self, row: Row) -> None:
+        """The draft :meth:`step` gave ``row`` is not verified after all (no room for it): it is
+        scored in the shadow instead."""
+        for name, (start, draft, verified) in list(row.pending.items()):
+            if verified:
+                row.pending[name] = (start, draft, False)
+                self.drafted -= len(draft)
 
     def append(self, row: Row, tokens: Iterable[int]) -> None:
         """The tokens ``row`` took this step (accepted draft tokens and the one sampled after)."""

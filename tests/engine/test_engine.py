@@ -22,11 +22,12 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("speculative", [None, "ngram"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batch_generate_matches_generate(models, family):
+def test_batch_generate_matches_generate(models, family, speculative):
     m = models[family]
     refs = [m.generate(p, max_tokens=12) for p in PROMPTS]
-    got = m.batch_generate(PROMPTS, max_tokens=12, slots=3, prefill_tokens=16)
+    got = m.batch_generate(PROMPTS, max_tokens=12, slots=3, prefill_tokens=16, speculative=speculative)
     assert [g.tokens for g in got] == [r.tokens for r in refs]
     assert [g.text for g in got] == [r.text for r in refs]
     assert [g.finish_reason for g in got] == [r.finish_reason for r in refs]

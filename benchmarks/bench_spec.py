@@ -1,0 +1,180 @@
+"""Speculative decoding on SmolLM2-135M-Instruct Q4_1: the verify step's cost, and decode tokens/s
+with speculation on against off, side by side.
+
+    python benchmarks/bench_spec.py                 # calibration, then the workloads
+    python benchmarks/bench_spec.py --calibrate     # the verify step's cost only
+
+**Calibration.**  One slot at a context of 256 tokens verifies ``n - 1`` drafted tokens (``n`` rows
+as positions) for ``n`` = 1..16; ``c(n) = (t(n) / t(1) - 1) / (n - 1)`` is an extra verified
+position's cost as a fraction of a one-row step (the gate's ``position_cost``).
+
+**Workloads** (``benchmarks/data/spec_prompts.jsonl``, chat-rendered, greedy, ``--gen`` tokens):
+single stream on copy-heavy prompts, 4 live rows on copy-heavy prompts, 32 live rows on
+copy-heavy prompts, single stream on prompts with nothing to copy, and single-stream JSON rewrites
+constrained by their documents' shape.  Each workload keeps one engine per mode (its compiled
+steps warmed by a first round that is not counted) and a fresh drafter each run (the suffix pool
+would otherwise draft from the previous round's identical output).  Rounds alternate the order
+(on/off, off/on); the figure is the median over rounds of each round's on/off ratio, as the
+machine is shared.  Every run's outputs are checked equal between the modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import slotinfer  # noqa: E402,F401  before MLX: slotinfer swaps in its BLAS
+import mlx.core as mx  # noqa: E402
+from slotinfer import default_model  # noqa: E402
+from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, Engine  # noqa: E402
+from slotinfer.spec import CostModel, Drafter  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec_acceptance import shape  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data" / "spec_prompts.jsonl"
+
+
+def calibrate(model, repeats=30, context=256):
+    eng = Engine(model, slots=1, max_len=context + 64, speculative="ngram", draft_tokens=16)
+    item = eng.make_item(list(range(10, 10 + context)), max_tokens=40, ignore_eos=True)
+    eng.add(item)
+    for _ in range(3):
+        eng.step()
+    L = int(eng.table.lengths[0])
+    eng.table.grow([0], [L + 17])
+    times = {}
+    for n in range(1, 17):
+        groups = [(0, [100 + i for i in range(n - 1)])]
+        for _ in range(3):
+            mx.eval(eng.verifier.step(eng.tokens, groups, eng.gen, eng.rows)[0])
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mx.eval(eng.verifier.step(eng.tokens, groups, eng.gen, eng.rows)[0])
+            ts.append(time.perf_counter() - t)
+        times[n] = statistics.median(ts)
+    base = times[1]
+    cs = {n: (times[n] / base - 1) / (n - 1) for n in times if n > 1}
+    return times, cs
+
+
+def load_sets(model, gen):
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    copy = [r for r in rows if r["set"] == "copy"]
+    open_ = [r for r in rows if r["set"] == "open"]
+    by_kind = {}
+    for r in copy:
+        by_kind.setdefault(r["kind"], []).append(r)
+    two_each = [r for rs in by_kind.values() for r in rs[:2]]
+    one_each = [rs[0] for rs in by_kind.values()]
+
+    def render(rs, **params):
+        return [(model.encode_prompt(model.chat_prompt(messages=r["messages"])), dict(max_tokens=gen, **params))
+                for r in rs]
+
+    json_rows = [r for r in copy if r["kind"] == "json-rewrite"][:4]
+    constrained = [(model.encode_prompt(model.chat_prompt(messages=r["messages"])),
+                    dict(max_tokens=gen, json_schema=json.dumps(shape(json.loads(
+                        r["messages"][-1]["content"].split("\n\n", 1)[1])))))
+                   for r in json_rows]
+    return {
+        "copy, 1 stream": (1, render(two_each)),
+        "copy, 4 rows": (4, render(one_each)),  # as many prompts as slots: all live at once
+        "copy, 32 rows": (32, render(copy)),
+        "open, 1 stream": (1, render(open_[:4])),
+        "JSON constrained, 1 stream": (1, constrained),
+    }
+
+
+def run(engine, reqs, draft_tokens, position_cost, bandwidth_rows):
+    if engine.speculative:
+        engine.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,
+                                                bandwidth_rows=bandwidth_rows))
+    for k in ("steps", "spec_passes", "spec_drafted", "spec_accepted", "decode_tokens"):
+        engine.counters[k] = 0
+    items = [engine.make_item(ids, **params) for ids, params in reqs]
+    t0 = time.perf_counter()
+    for it in items:
+        engine.add(it)
+    engine.run_until_done()
+    wall = time.perf_counter() - t0
+    outs = [it.handle.result(0) for it in items]
+    slots = engine.slots
+    if slots == 1:  # one at a time: each request's own decode time
+        tokens = sum(len(o.tokens) - 1 for o in outs)
+        seconds = sum((len(o.tokens) - 1) / o.metrics["decode_tokens_per_s"] for o in outs
+                      if o.metrics["decode_tokens_per_s"])
+    else:  # as many prompts as slots, all live at once: decode from the last first token on
+        tokens = sum(len(o.tokens) for o in outs) - len(outs)
+        seconds = wall - max(o.metrics["time_to_first_token_s"] for o in outs)
+    c = dict(engine.counters)
+    return tokens / seconds, [o.tokens for o in outs], c
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calibrate", action="store_true", help="the verify step's cost only")
+    ap.add_argument("--rounds", type=int, default=3, help="counted rounds (after one warm-up round)")
+    ap.add_argument("--gen", type=int, default=96, help="tokens generated per prompt")
+    ap.add_argument("--draft-tokens", type=int, default=8)
+    ap.add_argument("--position-cost", type=float, default=POSITION_COST)
+    ap.add_argument("--bandwidth-rows", type=int, default=BANDWIDTH_ROWS,
+                    help="positions per step (rows and drafts) past which nobody drafts")
+    ap.add_argument("--only", help="run the workloads whose name contains this")
+    args = ap.parse_args()
+    model, why = default_model.load()
+    if model is None:
+        sys.exit(f"the default model is not installed: {why}")
+    times, cs = calibrate(model)
+    print("verify step, 1 slot at 256 tokens: rows, ms, c(n)")
+    for n, t in times.items():
+        print(f"  {n:>2} {t * 1e3:7.2f}  {cs.get(n, 0.0):.3f}")
+    print(f"median c over 2..16 rows: {statistics.median(cs.values()):.3f}", flush=True)
+    if args.calibrate:
+        return
+    sets = load_sets(model, args.gen)
+    print(f"\n{args.rounds} counted rounds, gen {args.gen}, draft_tokens {args.draft_tokens}, "
+          f"position_cost {args.position_cost}, bandwidth_rows {args.bandwidth_rows}")
+    print(f"{'workload':<28} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} {'accept':>6} {'tok/pass':>8} "
+          f"{'steps off/on':>12}")
+    for name, (slots, reqs) in sets.items():
+        if args.only and args.only not in name:
+            continue
+        max_len = max(len(ids) for ids, _ in reqs) + args.gen + 8
+        engines = {m: Engine(model, slots=slots, max_len=max_len, prefill_tokens=512,
+                             speculative="ngram" if m else None, draft_tokens=args.draft_tokens,
+                             position_cost=args.position_cost) for m in (False, True)}
+        ratios, rates, stats = [], {False: [], True: []}, None
+        steps = {}
+        for r in range(args.rounds + 1):
+            got = {}
+            for m in ((True, False) if r % 2 else (False, True)):
+                rate, outs, c = run(engines[m], reqs, args.draft_tokens, args.position_cost,
+                                    args.bandwidth_rows)
+                got[m] = (rate, outs)
+                steps[m] = c["steps"]
+                if m:
+                    stats = c
+            if got[True][1] != got[False][1]:
+                sys.exit(f"{name}: outputs differ with speculation on")
+            if r == 0:
+                continue  # warm-up: compiled steps
+            rates[False].append(got[False][0])
+            rates[True].append(got[True][0])
+            ratios.append(got[True][0] / got[False][0])
+        acc = stats["spec_accepted"] / stats["spec_drafted"] if stats["spec_drafted"] else 0.0
+        per = (stats["spec_accepted"] + stats["spec_passes"]) / stats["spec_passes"] if stats["spec_passes"] else 1.0
+        print(f"{name:<28} {statistics.median(rates[False]):9.1f} {statistics.median(rates[True]):9.1f} "
+              f"{statistics.median(ratios):6.2f} {acc:6.2f} {per:8.2f} {steps[False]:>5}/{steps[True]:<6} "
+              f"ratios {', '.join(f'{x:.2f}' for x in ratios)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
