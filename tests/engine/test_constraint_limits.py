@@ -203,7 +203,9 @@ def test_too_many_compiles_at_once_is_a_retryable_refusal(models, monkeypatch):
     first = threading.Thread(target=lambda: pytest.raises(GrammarError, m.generate, [5], json_schema=_slow(9),
                                                           max_tokens=2))
     first.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60  # until the slow compile holds the one place (a loaded machine takes a while)
+    while grammar_compile.COMPILER._running < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     with pytest.raises(GrammarBusy, match="retry"):
         m.generate([5], json_schema={"type": "boolean"}, max_tokens=2)
     first.join()
