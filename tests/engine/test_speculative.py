@@ -20,6 +20,7 @@ import slotinfer.engine.engine
 from slotinfer.engine.engine import Engine
 from slotinfer.kv import KV_BLOCK_SIZE, block_bytes
 from slotinfer.spec import CostModel, Drafter, ForcedTokens
+from test_properties import feed  # tests/ is on pytest's path: one way to run arrivals through an engine
 
 FAMILIES = ["llama", "qwen3", "gemma2"]
 
@@ -52,22 +53,6 @@ def spec_engine(model, truth, *, p=0.2, k=4, seed=0, forced=False, **kw):
     engine.drafter = Drafter(sources=[*sources, Oracle(truth, p, random.Random(seed))],
                              cost=CostModel(position_cost=0.01, max_k=k))
     return engine
-
-
-def feed(engine, reqs, *, on_step=None):
-    """Run ``reqs`` (arrival step, prompt, params) until all end; their handles in order."""
-    handles, step = [None] * len(reqs), 0
-    while engine.busy or any(h is None for h in handles):
-        for i, (arrival, ids, params) in enumerate(reqs):
-            if arrival == step:
-                item = engine.make_item(ids, **params)
-                engine.add(item)
-                handles[i] = item.handle
-        if on_step:
-            on_step(step, handles)
-        engine.step()
-        step += 1
-    return handles
 
 
 def ref(model, ids, params):
