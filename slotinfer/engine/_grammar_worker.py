@@ -1,9 +1,10 @@
 """A grammar compile child: run as a script by path (``python .../_grammar_worker.py``), importing
-llguidance alone, never the slotinfer package.
+llguidance (and tokenizers) alone, never the slotinfer package.
 
 It reads requests from stdin and answers on stdout, each a length-prefixed pickle:
 
-- ``("tokenizer", key, (tokenizer_json, n_vocab, eos_ids))`` builds a tokenizer: answer ``("ready",)``;
+- ``("tokenizer", key, (tokenizer_json, n_vocab, eos_ids))`` builds a tokenizer (:func:`build_tokenizer`):
+  answer ``("ready",)``;
 - ``("compile", key, kind, value, json_options, limits)``: answer ``("ok", grammar_text)`` or
   ``("invalid", message)``.
 
@@ -49,6 +50,40 @@ def grammar_text(llguidance, kind, value, json_options):
     raise AssertionError(kind)
 
 
+def build_tokenizer(llguidance, text, n_vocab, eos):
+    """The llguidance tokenizer of a ``tokenizer.json`` text, with its added tokens that are not special
+    (Qwen 3's ``<think>``, ``</think>``, ``<tool_call>``) as the text they are.
+
+    Read from the JSON alone, llguidance marks every added token as special: no regex, schema or
+    grammar text matches its bytes, while its tokenizing of a constraint's forced text (``</think>`` in
+    a regex) finds the token, so the mask allows it and the matcher refuses it a step later.  Such a
+    token's text is part of the output (only special tokens are left out), so the constraint must see
+    it as text: llguidance is then given each token's bytes itself, and a tokenizer that spells
+    special tokens' text as text."""
+    base = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_str(text)
+    added = hf.get_added_tokens_decoder()
+    if all(t.special for t in added.values()):
+        return base
+    hf.encode_special_tokens = True  # "<|im_end|>" in a regex is text, as its special token's marker is not
+
+    class Vocabulary:  # what llguidance.TokenizerWrapper reads
+        def __init__(self):
+            self.eos_token_id, self.bos_token_id = eos[0], None
+            self.tokens = [base.decode_bytes([i]) for i in range(n_vocab)]
+            for i, t in added.items():
+                if i < n_vocab:
+                    self.tokens[i] = t.content.encode()
+            self.special_token_ids = sorted(i for i, t in added.items() if t.special and i < n_vocab)
+
+        def __call__(self, data: bytes):
+            return hf.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Vocabulary()), n_vocab=n_vocab, eos_token=eos)
+
+
 def compile_checked(llguidance, tokenizer, text, limits):
     """(matcher, None) with its first mask computed, or (None, the error)."""
     import llguidance.numpy as lnp
@@ -77,7 +112,7 @@ def serve():
             return
         if request[0] == "tokenizer":
             _, key, (text, n_vocab, eos) = request
-            tokenizers[key] = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
+            tokenizers[key] = build_tokenizer(llguidance, text, n_vocab, eos)
             write(stdout, ("ready",))
             continue
         _, key, kind, value, json_options, limits = request

@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import json_numbers, settings
-from ._grammar_worker import compile_checked
+from ._grammar_worker import build_tokenizer, compile_checked
 from ..errors import EngineError, GrammarError
 from .grammar_compile import COMPILER, first_lines, on_big_stack
 from ..request import CONSTRAINTS
@@ -193,8 +193,7 @@ class Grammars:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:  # cached_property alone lets two threads build it at once
             if "_built" not in self.__dict__:
-                self._built = llguidance.LLTokenizer(self._tokenizer_source()[0], n_vocab=self.vocab,
-                                                     eos_token=self._eos)
+                self._built = build_tokenizer(llguidance, *self._tokenizer_source())
             return self._built
 
     def constraint(self, params: dict) -> Constraint | None:

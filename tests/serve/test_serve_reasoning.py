@@ -4,6 +4,7 @@
 prefix cache."""
 
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -83,6 +84,27 @@ def test_chat_splits_reasoning_content_from_the_answer_whole_and_streamed(oai, m
     assert not any(getattr(d, "reasoning_content", None) and d.content for d in deltas)  # kept apart
     first_answer = next(i for i, d in enumerate(deltas) if d.content)
     assert all(not getattr(d, "reasoning_content", None) for d in deltas[first_answer:])
+
+
+def test_a_regex_with_the_close_tag_sees_the_token_as_its_text(oai, model):
+    """A regex (not a token-level grammar) that writes ``</think>``: the model's ``</think>`` token is
+    that text to the constraint, so the reply satisfies it and splits at it, whole and streamed."""
+    regex = f"{WORD}\n</think>\n\n{WORD}"
+    [close] = model.tokenizer.encode("</think>", add_special_tokens=False)
+    out = model.generate(model.apply_chat_template(MSGS), max_tokens=60, regex=regex)
+    assert close in out.tokens and re.fullmatch(regex, out.text) and out.finish_reason == "stop"
+    thought, answer = out.text.split("\n</think>\n\n")
+    body = {"structured_outputs": {"regex": regex}}
+    r = oai.chat.completions.create(model=NAME, messages=MSGS, max_tokens=60, temperature=0, extra_body=body)
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content, r.choices[0].finish_reason) == (thought, answer, "stop")
+    deltas = [c.choices[0].delta for c in oai.chat.completions.create(
+        model=NAME, messages=MSGS, max_tokens=60, temperature=0, extra_body=body, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == answer
+    # a special token's text in a regex is text: spelled out, never the (end) token itself
+    text = model.generate("Hello", max_tokens=20, regex="ab<\\|im_end\\|>").text
+    assert text == "ab<|im_end|>"
 
 
 def test_enable_thinking_false_leaves_the_reply_all_answer(oai, model):
