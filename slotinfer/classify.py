@@ -76,7 +76,7 @@ import numpy as np
 from . import request
 from .engine.encoder import FAR, SegmentView, SharedPrefix, forward, last_hidden, plan_batches
 from .errors import InvalidRequestError, PromptTooLongError
-from .engine.sampling import SamplingParams, sample
+from .engine.sampling import SamplingParams, logsumexp_compiled, sample
 from .types import ClassifyResult
 
 __all__ = ["classify", "ClassifyJob", "default_token_budget", "encode_labels", "LabelSet"]
@@ -285,7 +285,7 @@ class _Classifier:
             for c in range(0, len(flat), _HEAD_CHUNK):  # the full head, only at label positions, in chunks
                 logits = net.head(hs[c:c + _HEAD_CHUNK]).astype(mx.float32)
                 picked = mx.take_along_axis(logits, tgt[c:c + _HEAD_CHUNK, None], axis=-1)[:, 0]
-                lps.append(picked - mx.logsumexp(logits, axis=-1))
+                lps.append(picked - logsumexp_compiled(logits)[:, 0])
             total = mx.zeros((B * nl,), dtype=mx.float32).at[mx.array(owner)].add(mx.concatenate(lps))
             yield total.reshape(B, nl)
 

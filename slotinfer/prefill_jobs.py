@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from .engine.encoder import SegmentView, forward, plan_batches
+from .engine.sampling import logsumexp_compiled
 from .errors import InvalidRequestError
 
 __all__ = ["PrefillJob", "ScoreJob", "PromptScores", "score", "MAX_TOP_LOGPROBS"]
@@ -190,7 +191,7 @@ class ScoreJob(PrefillJob):
         picked, top_ids, top_lps = [], [], []
         for c in range(0, len(flat), _HEAD_ROWS):
             logits = self.net.head(hs[c:c + _HEAD_ROWS]).astype(mx.float32)
-            lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+            lse = logsumexp_compiled(logits)
             picked.append(mx.take_along_axis(logits, tgt[c:c + _HEAD_ROWS, None], axis=-1)[:, 0] - lse[:, 0])
             if self.k:
                 best = mx.argpartition(-logits, self.k - 1, axis=-1)[:, :self.k]

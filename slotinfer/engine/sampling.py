@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from .._compile import ThreadCompiled
+from ..cpu import fastmath
 from ..request import SAMPLING, check_value
 from .structured import apply_mask
 
@@ -128,9 +130,41 @@ def top_n_computed(asked: int, vocab: int) -> int:
     return min(n, vocab)
 
 
+SUM_BLOCK = 128  # logsumexp's partial sums: each of at most this many terms
+
+
+def logsumexp(x, keepdims: bool = False):
+    """``log(sum(exp(x)))`` over the last axis, as ``mx.logsumexp`` but within 2e-6 of float64 over a
+    whole vocabulary.
+
+    ``mx.logsumexp`` (and ``mx.sum``) adds a row's terms into one float32 accumulator per SIMD lane:
+    over 49,152 logits its rounding reaches 2.4e-4 of the sum, so every log-prob is off by as much.
+    Here each block of :data:`SUM_BLOCK` terms is summed first and the block sums after, and ``exp``
+    is :func:`slotinfer.cpu.fastmath.exp` (error under 1e-7, where MLX's CPU ``exp`` has 4e-6, and
+    fused where compiled: :data:`logsumexp_compiled`).  Row by row as before, so a row's value does not
+    depend on the rows beside it.  Rows of -inf give -inf.
+    """
+    m = mx.max(x, axis=-1, keepdims=True)
+    m = mx.where(m == -mx.inf, mx.zeros_like(m), m)  # a row of -inf: exp(x - 0) = 0, log 0 = -inf
+    e = fastmath.exp(x - m)
+    pad = -x.shape[-1] % SUM_BLOCK
+    if pad:
+        e = mx.pad(e, [(0, 0)] * (e.ndim - 1) + [(0, pad)])
+    s = e.reshape(*e.shape[:-1], -1, SUM_BLOCK).sum(axis=-1).sum(axis=-1, keepdims=True)
+    out = m + mx.log(s)
+    return out if keepdims else out.squeeze(-1)
+
+
+@ThreadCompiled
+def logsumexp_compiled(x):
+    """:func:`logsumexp` (``keepdims``) as one compiled function, for eager callers (scoring, classify):
+    fused, several times faster than ``mx.logsumexp`` on CPU."""
+    return logsumexp(x, keepdims=True)
+
+
 def logprobs_of(logits, tokens, top_n: int = 0):
     """Log-probability of the chosen tokens [b] and, if ``top_n``, the top-n (ids, logprobs) per row."""
-    lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    lp = logits.astype(mx.float32) - logsumexp(logits.astype(mx.float32), keepdims=True)
     chosen = mx.take_along_axis(lp, tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
     if not top_n:
         return chosen, None, None
