@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import socket
 import sys
-import time
 
 
 DEFAULT_MAX_LEN = 2048
@@ -78,6 +77,7 @@ def run(args) -> int:
         import uvicorn
 
         from ..serve.app import build_app
+        from ..serve.backend import warm_up
         from ..serve.shutdown import GracefulServer
     except ImportError as e:
         print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing); in the slotinfer checkout: "
@@ -130,16 +130,6 @@ def run(args) -> int:
     finally:
         inf.close(drain=False, timeout=args.grace_period)  # whatever is left ends as cancelled
     return 0
-
-
-def warm_up(inf) -> float:
-    """Seconds taken to run one short request through ``inf`` before any client's: MLX compiles the
-    prefill and the decode step on first use, on the Inferencer's worker thread, where they then stay,
-    so the first client does not wait for that.  The app's metrics count from after it."""
-    t0 = time.perf_counter()
-    one = inf.model.encode_prompt("Hello")[-1:]  # a one-token prompt, then a decode step: fits any --max-len
-    inf.generate(one, max_tokens=min(2, inf.engine.max_len - 1), ignore_eos=True)
-    return time.perf_counter() - t0
 
 
 def _bind(host: str, port: int) -> socket.socket:
