@@ -57,6 +57,9 @@ def add_parser(sub):
                    help="seconds a request's body may take to arrive; a slower one gets 408")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are cancelled")
+    from . import ray_serve
+
+    ray_serve.add_flags(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log")
     return p
@@ -70,9 +73,16 @@ def check(parser, args):
     if len(given) > 1:
         parser.error(f"the model is given twice, as {args.model!r} and as --model {args.model_flag!r}; give it once")
     args.model = given.pop()
+    from . import ray_serve
+
+    ray_serve.check(parser, args)
 
 
 def run(args) -> int:
+    if args.ray:
+        from . import ray_serve
+
+        return ray_serve.run(args)
     try:
         import uvicorn
 

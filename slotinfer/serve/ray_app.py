@@ -31,6 +31,7 @@ from .remote import RemoteBackend
 ROUTERS = {"prefix": "slotinfer.serve.routing:PrefixRouter",
            "round_robin": "slotinfer.serve.routing:RoundRobinRouter",
            "pow2": None}  # Serve's own: power of two choices by queue length
+DEFAULT_MAX_LEN = 2048
 STATS_PERIOD_S = 1.0  # how often each replica reports its queue depth and free K/V blocks to the routers
 
 
@@ -38,7 +39,9 @@ class Replica:
     """One Inferencer over ``model``; ``engine``: the Inferencer's keyword arguments."""
 
     def __init__(self, model: str, engine: dict):
-        self.inf = slotinfer.Inferencer(slotinfer.load(model), **engine)
+        loaded = slotinfer.load(model)
+        engine = {"max_len": min(DEFAULT_MAX_LEN, loaded.context_length), **engine}  # as slotinfer serve's
+        self.inf = slotinfer.Inferencer(loaded, **engine)
         warm_up(self.inf)
         self.backend = LocalBackend(self.inf)
         ctx = serve.get_replica_context()
