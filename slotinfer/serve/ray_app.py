@@ -176,7 +176,7 @@ class Dispatcher:
 
 def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] | None = None,
               routing: str = "prefix", slots: int = 32, max_queue: int = 64, max_len: int | None = None,
-              engine: dict | None = None, num_cpus: float = 1.0, num_gpus: float = 0,
+              engine: dict | None = None, num_cpus: float = 1.0, num_gpus: float = 0, replica_options: dict | None = None,
               api_key: str | None = None, ingress_replicas: int = 1, ingress_cpus: float = 0.5, **shell):
     """A Ray Serve application of slotinfer replicas, for ``serve.run`` (or a Serve config file's
     ``import_path``).
@@ -187,7 +187,8 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
     and takes them away while idle.  ``routing``: "prefix" (requests whose prompts start alike go to the
     replica that holds that start), "pow2" (Serve's default: the shorter queue of two), "round_robin".
     ``slots``, ``max_queue``, ``max_len`` and ``engine`` (more Inferencer arguments) configure each
-    replica's Inferencer; ``num_cpus``/``num_gpus``: what each replica asks Ray for.  The rest
+    replica's Inferencer; ``num_cpus``/``num_gpus``: what each replica asks Ray for, and
+    ``replica_options`` more of its Ray actor options (``runtime_env``, ``resources``).  The rest
     (``api_key``, ``max_body_bytes``, ``read_timeout``, ``retry_after``) configure the routes, as
     :func:`~slotinfer.serve.build_app`'s.
     """
@@ -220,7 +221,8 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
     for name, path in paths.items():
         deployment = serve.deployment(Replica, name=f"slotinfer-{_dns(name)}",
                                       max_ongoing_requests=slots + max_queue + 1, max_queued_requests=max_queue or -1,
-                                      ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+                                      ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus,
+                                                         **(replica_options or {})},
                                       request_router_config=router, health_check_period_s=2, **scale)
         bound[name] = deployment.bind(path, engine)
     ingress = serve.deployment(serve.ingress()(Ingress), name="slotinfer-ingress", num_replicas=ingress_replicas,
