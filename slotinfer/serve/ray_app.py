@@ -244,3 +244,14 @@ def hub_path(path):
 
 def _dns(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)
+
+
+def build(args: dict):
+    """The application builder a Serve config file names (``import_path: slotinfer.serve.ray_app:build``):
+    its ``args`` are :func:`serve_app`'s keywords (``autoscale`` as a list ``[MIN, MAX]``)."""
+    args = dict(args)
+    if "model" not in args:
+        raise InvalidRequestError("the application's args need 'model': a path, a hub id, or {name: path}")
+    if args.get("autoscale") is not None:
+        args["autoscale"] = tuple(args["autoscale"])
+    return serve_app(args.pop("model"), **args)

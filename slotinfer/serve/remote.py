@@ -9,8 +9,6 @@ turns into a stream's error event (or a 503), never a silent cut.
 
 from __future__ import annotations
 
-import asyncio
-
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
@@ -132,7 +130,7 @@ class RemoteHandle:
                     self.backend._stats[replica] = stats
                 elif kind == "error":
                     self._error = payload
-        except (RequestCancelledError, asyncio.CancelledError):
+        except RequestCancelledError:  # cancel() here: the row ends with what came so far
             if not self._cancelled:
                 raise
         except RayActorError:
