@@ -4,7 +4,7 @@
 application per policy in turn (``prefix``: slotinfer's prefix-affinity router; ``pow2``: Ray
 Serve's default, the shorter queue of two; ``round_robin``), each driven with the prefix-cache
 benchmark's workloads (benchmarks/bench_prefix.py: one shared system prompt and 24 questions from
-4 clients; 4 six-turn chats at once), then one ``slotinfer serve`` on the same workloads for
+4 clients; ``--chats`` six-turn chats at once, each behind its own system prompt), then one ``slotinfer serve`` on the same workloads for
 reference.  Figures: prompt tokens served from cache (``cached_tokens`` over prompt tokens) and
 TTFT p50.
 
@@ -33,7 +33,7 @@ import slotinfer  # noqa: F401  before MLX, as every benchmark
 from slotinfer.cli.bench_serve import ServerProcess, drive_http, workload
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_prefix import conversations, hit_rate, shared  # noqa: E402
+from bench_prefix import TOPICS, TURNS, chat, hit_rate, shared  # noqa: E402
 
 
 def _free_port() -> int:
@@ -74,9 +74,30 @@ class Fleet:
         self.ray.shutdown()
 
 
-def _prefix_figures(url) -> dict:
+async def conversations(url, chats: int):
+    """``chats`` six-turn chats at once, each behind its own ~250-token system prompt (an odd count, so
+    that a round robin's turn does not land on the same replica by the parity of the arrivals)."""
+    import httpx
+
+    per_turn = [[] for _ in TURNS]
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def one(k):
+            rules = " ".join(f"Rule {i}: answer questions about {t} politely and cite section {i}.{k}."
+                             for i, t in enumerate(TOPICS))
+            msgs = [{"role": "system", "content": f"You are shop assistant number {k} ({time.time()}). {rules}"}]
+            for t, q in enumerate(TURNS):
+                msgs.append({"role": "user", "content": q})
+                r = await chat(client, url, None, msgs, 16)
+                per_turn[t].append(r)
+                msgs.append({"role": "assistant", "content": r["text"]})
+
+        await asyncio.gather(*(one(k) for k in range(chats)))
+    return per_turn
+
+
+def _prefix_figures(url, chats: int) -> dict:
     cold, rows = asyncio.run(shared(url, None))
-    per_turn = asyncio.run(conversations(url, None))
+    per_turn = asyncio.run(conversations(url, chats))
     later = [r for rs in per_turn[1:] for r in rs]
     return {"shared_hit": hit_rate(rows), "shared_ttft": statistics.median(r["ttft"] for r in rows),
             "cold_ttft": statistics.median(r["ttft"] for r in cold),
@@ -89,12 +110,12 @@ def routing_part(args, fleet):
         took = fleet.run(args.model, 2, routing, args.slots, args.max_len)
         print(f"  {routing}: application up in {took:.0f} s", flush=True)
         try:
-            out[routing] = _prefix_figures(fleet.url)
+            out[routing] = _prefix_figures(fleet.url, args.chats)
         finally:
             fleet.delete()
     server = ServerProcess(args.model, args.slots, args.max_len)
     try:
-        out["one slotinfer serve"] = _prefix_figures(server.url)
+        out["one slotinfer serve"] = _prefix_figures(server.url, args.chats)
     finally:
         server.close()
     ms = lambda s: f"{s * 1e3:.0f} ms"  # noqa: E731
@@ -141,6 +162,7 @@ def main():
     ap.add_argument("--part", choices=["routing", "overhead", "both"], default="both")
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--routing", default="prefix,pow2,round_robin", help="the policies compared, in order")
+    ap.add_argument("--chats", type=int, default=5, help="routing: six-turn chats at once")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--prompt-tokens", type=int, default=128, help="overhead: each prompt's length")

@@ -94,6 +94,9 @@ class RemoteHandle:
                 raise QueueFull("every replica is at capacity") from None
             except StopAsyncIteration:
                 continue
+            except BaseException:  # the caller went away while waiting: the row is not left running
+                gen.cancel()
+                raise
             if kind == "error":
                 raise payload
             self._gen = gen

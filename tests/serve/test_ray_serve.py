@@ -22,7 +22,7 @@ from slotinfer.serve import build_app  # noqa: E402
 from slotinfer.serve.app import shell_app  # noqa: E402
 from slotinfer.serve.backend import LocalBackend  # noqa: E402
 from slotinfer.serve.background import serving  # noqa: E402
-from slotinfer.serve.ray_app import Dispatcher  # noqa: E402
+from slotinfer.serve.ray_app import Dispatcher, build  # noqa: E402
 
 NAME = "qwen3"  # the tiny model's folder: its name in the API
 SLOTS, QUEUE, MAX_LEN = 4, 4, 256
@@ -94,6 +94,8 @@ def test_greedy_outputs_equal_one_servers(client, single):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=-1)
     assert e.value.body["param"] == "temperature"
+    page = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    assert 'slotinfer_requests_total{endpoint="completions",outcome="ok"} 1.0' in page
 
 
 def test_streams_are_well_formed(client, single):
@@ -155,6 +157,9 @@ def test_bad_configuration_is_a_clear_error_at_start(model_path, tmp_path, capsy
         sr.serve_app(model_path, autoscale=(3, 1))
     with pytest.raises(slotinfer.ModelNotFoundError, match="no model at"):
         sr.serve_app(str(tmp_path / "absent"), replicas=1)
+    with pytest.raises(slotinfer.InvalidRequestError, match="need 'model'"):
+        build({"replicas": 2})  # a Serve config file's args
+    assert type(build({"model": model_path, "autoscale": [1, 2]})).__name__ == "Application"
     assert main(["serve", model_path, "--ray", "--ray-address", f"127.0.0.1:{_free_port()}"]) == 2
     assert "no Ray cluster answers" in capsys.readouterr().err
 
