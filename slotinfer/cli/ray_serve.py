@@ -9,6 +9,8 @@ application is deployed on that cluster and deleted from it at exit.  See docs/s
 
 from __future__ import annotations
 
+import math
+import os
 import signal
 import socket
 import sys
@@ -75,7 +77,10 @@ def run(args) -> int:
               f"'ray start --head' (or leave out --ray-address to start a local one)", file=sys.stderr)
         return 2
     try:
-        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "debug",
+        # a local cluster declares room for every replica: Ray's CPU count only schedules, the threads share the cores
+        most = args.replicas or args.autoscale[1]
+        local = {} if args.ray_address else {"num_cpus": max(os.cpu_count() or 1, math.ceil(most * args.replica_cpus + 1))}
+        ray.init(address=args.ray_address, **local, include_dashboard=False, log_to_driver=args.log_level == "debug",
                  configure_logging=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
         print(f"slotinfer: error: cannot reach a Ray cluster at {args.ray_address!r}: {e}; start one with "
