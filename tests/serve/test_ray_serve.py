@@ -110,6 +110,18 @@ def test_streams_are_well_formed(client, single):
     assert len({c.id for c in chunks}) == 1
 
 
+def test_the_other_routes_run_on_the_replicas(fleet, model):
+    """Classify and embeddings are jobs on a replica; Anthropic Messages rides the same rows as chat."""
+    r = httpx.post(fleet + "/v1/classify", json={"input": ["a cat", "the sea"], "labels": ["yes", "no"]}, timeout=60)
+    assert [d["label"] for d in r.json()["data"]] == [c.label for c in model.classify(["a cat", "the sea"],
+                                                                                       labels=["yes", "no"])]
+    r = httpx.post(fleet + "/v1/embeddings", json={"input": ["a cat"]}, timeout=60)
+    assert r.json()["data"][0]["embedding"] == pytest.approx([float(x) for x in model.embed(["a cat"])[0]], abs=1e-4)
+    r = httpx.post(fleet + "/v1/messages", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message" and 1 <= r.json()["usage"]["output_tokens"] <= 4
+
+
 def test_a_chats_later_turns_land_where_its_first_did(client):
     """Four chats with distinct system prompts: each later turn finds its conversation's K/V in the cache
     of the replica that served the turn before (a blind balancer would miss about half of them)."""
@@ -126,9 +138,9 @@ def test_a_chats_later_turns_land_where_its_first_did(client):
 
 
 def test_a_full_fleet_answers_429_with_retry_after(fleet):
-    """Eight requests of four rows at once: the fleet holds 16 rows (2 x 4 slots + 4 queued); past that, 429."""
-    body = {"model": NAME, "prompt": _system(9, 20), "max_tokens": MAX_LEN // 2, "n": 4, "ignore_eos": True}
-    out, go = [], threading.Barrier(8)
+    """24 requests at once: the fleet holds 16 (2 x (4 slots + 4 queued)); past that, 429."""
+    body = {"model": NAME, "prompt": _system(9, 20), "max_tokens": MAX_LEN // 2, "ignore_eos": True}
+    out, go = [], threading.Barrier(24)
 
     def send():
         go.wait()
@@ -136,7 +148,7 @@ def test_a_full_fleet_answers_429_with_retry_after(fleet):
         out.append((r.status_code, r.headers.get("retry-after"), r.json()))
         assert r.status_code != 400, r.json()
 
-    threads = [threading.Thread(target=send) for _ in range(8)]
+    threads = [threading.Thread(target=send) for _ in range(24)]
     for t in threads:
         t.start()
     for t in threads:
@@ -147,7 +159,7 @@ def test_a_full_fleet_answers_429_with_retry_after(fleet):
         if code == 429:
             assert retry == "1" and got["error"]["code"] == "rate_limit_exceeded"
         else:
-            assert len(got["choices"]) == 4
+            assert got["usage"]["completion_tokens"] == MAX_LEN // 2
 
 
 def test_bad_configuration_is_a_clear_error_at_start(model_path, tmp_path, capsys):
