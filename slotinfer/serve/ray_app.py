@@ -52,27 +52,41 @@ class Replica:
         return {"max_len": b.max_len, "slots": b.slots, "max_queue": b.max_queue, "block_tokens": b.block_tokens,
                 "replica": self.id, "stats": self.inf.stats()}
 
-    async def generate(self, ids: list[int], params: dict, route=None, blocks: int = 0):
-        """One row, streamed: ("accepted", replica), then ("event", StreamEvent) per token, then
-        ("done", (Completion, (replica, stats))); ("error", exception) in place of any of them.
-        ``route`` and ``blocks`` are the router's (the prompt's block hashes, the blocks it needs)."""
+    async def generate(self, rows: list, route=None, blocks: int = 0):
+        """A request's rows (``[(prompt ids, params)]``, taken whole or refused whole), streamed:
+        ("accepted", replica), then ("event", row, StreamEvent) per token and ("done", row, Completion)
+        or ("error", row, exception) per row, then ("stats", replica, stats); ("error", exception)
+        first when the rows were refused.  ``route`` and ``blocks`` are the router's (the first prompt's
+        block hashes, the blocks the rows need)."""
         try:
-            [h] = await self.backend.submit([(ids, params)])
+            handles = await self.backend.submit(rows)
         except Exception as e:  # noqa: BLE001 -- the caller answers it (QueueFull: 429; a bad row: 400)
             yield ("error", e)
             return
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, h):
+            async for ev in h:
+                events.put_nowait(("event", i, ev))
+            try:
+                events.put_nowait(("done", i, h.result()))
+            except Exception as e:  # noqa: BLE001 -- the row's own failure, the caller's to report
+                events.put_nowait(("error", i, e))
+
+        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
         try:
             yield ("accepted", self.id)
-            async for ev in h:
-                yield ("event", ev)
-            try:
-                c = h.result()
-            except Exception as e:  # noqa: BLE001 -- the row's own failure, the caller's to report
-                yield ("error", e)
-                return
-            yield ("done", (c, (self.id, self.inf.stats())))
+            left = len(handles)
+            while left:
+                item = await events.get()
+                left -= item[0] != "event"
+                yield item
+            yield ("stats", self.id, self.inf.stats())
         finally:
-            h.cancel()  # the caller went away (or the row ended): free its slot at the next step
+            for h in handles:
+                h.cancel()  # the caller went away (or the rows ended): free their slots at the next step
+            for p in pumps:
+                p.cancel()
 
     async def submit_job(self, kind: str, rows, kw: dict):
         submit = {"classify": self.backend.submit_classify, "score": self.backend.submit_score,

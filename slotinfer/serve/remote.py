@@ -1,13 +1,15 @@
 """The engine side over Ray Serve replicas: :class:`RemoteBackend` gives the HTTP shell (the same
 routes ``slotinfer serve`` runs) handles whose tokens come from a replica's Inferencer.
 
-A row is one streaming call of the replica's ``generate``; its first item says the replica took it
-(or why not: a full queue is the shell's 429).  A call whose replica died before taking it is sent
-again, to another replica; a row under way when its replica dies ends with an error the shell
-turns into a stream's error event (or a 503), never a silent cut.
+A request's rows are one streaming call of a replica's ``generate``; its first item says the
+replica took them (or why not: a full queue is the shell's 429).  A call whose replica died
+before taking it is sent again, to another replica; rows under way when their replica dies end
+with an error the shell turns into a stream's error event (or a 503), never a silent cut.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
@@ -41,17 +43,11 @@ class RemoteBackend:
         return {**_summed(list(self._stats.values())), "block_tokens": self.block_tokens}
 
     async def submit(self, rows: list[tuple[list[int], dict]]) -> list:
-        handles = []
-        try:
-            for ids, params in rows:
-                h = RemoteHandle(self, ids, params)
-                await h.start()
-                handles.append(h)
-        except BaseException:
-            for h in handles:
-                h.cancel()
-            raise
-        return handles
+        """A request's rows, all on one replica in one call (taken whole or refused whole there, as one
+        server takes them), routed by its first prompt."""
+        call = RemoteCall(self, rows)
+        await call.start()
+        return call.rows
 
     def submit_classify(self, rows, **kw):
         return RemoteJob(self.handle, "submit_job", "classify", rows, kw)
@@ -66,49 +62,100 @@ class RemoteBackend:
         self.closed = True
 
 
-class RemoteHandle:
-    """One row on a replica, read as a :class:`~slotinfer.Handle` is."""
+class RemoteCall:
+    """One request's rows on one replica: a streaming call whose items the ingress hands to each row."""
 
-    def __init__(self, backend: RemoteBackend, ids: list[int], params: dict):
-        self.backend, self.ids, self.params = backend, ids, params
+    def __init__(self, backend: RemoteBackend, rows: list[tuple[list[int], dict]]):
+        self.backend, self.todo = backend, rows
+        ids, params = rows[0]
         self.route = prefix_hashes(ids, backend.block_tokens, params.get("cache_salt"))
-        need = len(ids) + (params.get("max_tokens") or 0)
-        self.blocks = -(-need // backend.block_tokens)
-        self._gen = None
-        self._result: Completion | None = None
-        self._error: BaseException | None = None
-        self._tokens: list[int] = []
-        self._text: list[str] = []
-        self._cancelled = self._done = False
+        self.blocks = sum(-(-(len(i) + (p.get("max_tokens") or 0)) // backend.block_tokens) for i, p in rows)
+        self.rows = [RemoteHandle(self, ids) for ids, _ in rows]
+        self._gen = self._reader = None
 
     async def start(self):
-        """Until a replica takes the row: one that dies first is replaced by another; a refusal raises."""
+        """Until a replica takes the rows: one that dies first is replaced by another; a refusal raises."""
         for _ in range(TRIES):
-            gen = self.backend.handle.options(stream=True).generate.remote(self.ids, self.params, route=self.route,
+            gen = self.backend.handle.options(stream=True).generate.remote(self.todo, route=self.route,
                                                                            blocks=self.blocks)
             try:
-                kind, payload = await gen.__anext__()
+                kind, *payload = await gen.__anext__()
             except RayActorError:
-                continue  # died before it took the row: nothing ran, another replica takes it
+                continue  # died before it took the rows: nothing ran, another replica takes them
             except BackPressureError:
                 raise QueueFull("every replica is at capacity") from None
             except StopAsyncIteration:
                 continue
-            except BaseException:  # the caller went away while waiting: the row is not left running
+            except BaseException:  # the caller went away while waiting: the rows are not left running
                 gen.cancel()
                 raise
             if kind == "error":
-                raise payload
+                raise payload[0]
             self._gen = gen
+            self._reader = asyncio.ensure_future(self._read())
             return
         raise replica_gone("before it took this request, as did the replicas tried after it")
 
-    def cancel(self) -> bool:
-        if self._done or self._cancelled:
-            return False
-        self._cancelled = True
-        if self._gen is not None:
+    async def _read(self):
+        rows = self.rows
+        try:
+            async for kind, *payload in self._gen:
+                if kind == "event":
+                    rows[payload[0]]._event(payload[1])
+                elif kind == "done":
+                    rows[payload[0]]._end(result=payload[1])
+                elif kind == "error":
+                    rows[payload[0]]._end(error=payload[1])
+                elif kind == "stats":
+                    self.backend._stats[payload[0]] = payload[1]
+        except RequestCancelledError:  # every row cancelled here: each ends with what came so far
+            pass
+        except RayActorError:
+            for r in rows:
+                r._end(error=replica_gone(f"while it ran, after {len(r._tokens)} tokens"))
+        except Exception as e:  # noqa: BLE001 -- whatever ended the call ends its rows, said
+            for r in rows:
+                r._end(error=e)
+        finally:
+            for r in rows:
+                r._end()
+
+    def row_cancelled(self):
+        if self._gen is not None and all(r.done() for r in self.rows):
             self._gen.cancel()
+
+
+class RemoteHandle:
+    """One row of a :class:`RemoteCall`, read as a :class:`~slotinfer.Handle` is."""
+
+    def __init__(self, call: RemoteCall, ids: list[int]):
+        self.call, self.ids = call, ids
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._result: Completion | None = None
+        self._error: BaseException | None = None
+        self._tokens: list[int] = []
+        self._text: list[str] = []
+        self._done = False
+
+    def _event(self, ev):
+        if not self._done:
+            self._tokens.append(ev.token)
+            self._text.append(ev.text)
+            self._events.put_nowait(ev)
+
+    def _end(self, result: Completion | None = None, error: BaseException | None = None):
+        if self._done:
+            return
+        self._done = True
+        self._result, self._error = result, error
+        self._events.put_nowait(None)
+
+    def cancel(self) -> bool:
+        """Ends the row here with what came so far; the replica's call is cancelled once all its rows are."""
+        if self._done:
+            return False
+        self._end()
+        self.call.row_cancelled()
         return True
 
     def done(self) -> bool:
@@ -122,25 +169,11 @@ class RemoteHandle:
         return self._result
 
     async def __aiter__(self):
-        try:
-            async for kind, payload in self._gen:
-                if kind == "event":
-                    self._tokens.append(payload.token)
-                    self._text.append(payload.text)
-                    yield payload
-                elif kind == "done":
-                    self._result, (replica, stats) = payload
-                    self.backend._stats[replica] = stats
-                elif kind == "error":
-                    self._error = payload
-        except RequestCancelledError:  # cancel() here: the row ends with what came so far
-            if not self._cancelled:
-                raise
-        except RayActorError:
-            if not self._cancelled:
-                self._error = replica_gone(f"while it ran, after {len(self._tokens)} tokens")
-        finally:
-            self._done = True
+        while True:
+            ev = await self._events.get()
+            if ev is None:
+                return
+            yield ev
 
 
 class RemoteJob:
