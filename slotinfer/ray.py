@@ -46,9 +46,21 @@ from .device import default_device
 
 _package.check()  # in each actor too: Ray starts its workers in the driver's folder
 
-__all__ = ["Classifier", "Generator", "actor_options"]
+__all__ = ["Classifier", "Generator", "actor_options", "serve_app"]
 
 MLX_GPU = "mlx_gpu"  # the custom resource an Apple-silicon node declares: one per GPU
+
+
+def serve_app(model, **kw):
+    """Online serving on Ray Serve: an application of slotinfer replicas behind an OpenAI ingress,
+    for ``serve.run`` (see :func:`slotinfer.serve.ray_app.serve_app` for the arguments).
+
+        >>> from ray import serve
+        >>> serve.run(slotinfer.ray.serve_app(PATH, replicas=2), route_prefix="/")
+    """
+    from .serve.ray_app import serve_app as build
+
+    return build(model, **kw)
 
 
 def actor_options(actors: int, *, device: str | None = None, cores: int | None = None) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import signal
 import socket
 import sys
-import time
 
 
 DEFAULT_MAX_LEN = 2048
@@ -58,6 +57,9 @@ def add_parser(sub):
                    help="seconds a request's body may take to arrive; a slower one gets 408")
     p.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGINT/SIGTERM before they are cancelled")
+    from . import ray_serve
+
+    ray_serve.add_flags(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log")
     return p
@@ -71,13 +73,21 @@ def check(parser, args):
     if len(given) > 1:
         parser.error(f"the model is given twice, as {args.model!r} and as --model {args.model_flag!r}; give it once")
     args.model = given.pop()
+    from . import ray_serve
+
+    ray_serve.check(parser, args)
 
 
 def run(args) -> int:
+    if args.ray:
+        from . import ray_serve
+
+        return ray_serve.run(args)
     try:
         import uvicorn
 
         from ..serve.app import build_app
+        from ..serve.backend import warm_up
         from ..serve.shutdown import GracefulServer
     except ImportError as e:
         print(f"slotinfer serve needs the 'serve' extra ({e.name} is missing); in the slotinfer checkout: "
@@ -130,16 +140,6 @@ def run(args) -> int:
     finally:
         inf.close(drain=False, timeout=args.grace_period)  # whatever is left ends as cancelled
     return 0
-
-
-def warm_up(inf) -> float:
-    """Seconds taken to run one short request through ``inf`` before any client's: MLX compiles the
-    prefill and the decode step on first use, on the Inferencer's worker thread, where they then stay,
-    so the first client does not wait for that.  The app's metrics count from after it."""
-    t0 = time.perf_counter()
-    one = inf.model.encode_prompt("Hello")[-1:]  # a one-token prompt, then a decode step: fits any --max-len
-    inf.generate(one, max_tokens=min(2, inf.engine.max_len - 1), ignore_eos=True)
-    return time.perf_counter() - t0
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -28,7 +28,8 @@ from ..cpu import allocator
 from ..errors import Cancelled, GrammarError, InvalidRequestError, PromptTooLongError
 from ..request import CONSTRAINTS, short
 from . import anthropic, openai_responses
-from .errors import APIError, bad_param, cut_short, from_exception
+from .errors import APIError, cut_short, from_exception
+from .backend import LocalBackend, check_fits
 from .http import EventStream, check_key, disconnected, read_json
 from .metrics import Metrics, Timer
 from .responses import Shaper, TokenText, usage
@@ -54,8 +55,20 @@ def build_app(inferencer, *, served_model_name: str | None = None, api_key: str 
     408; ``retry_after`` is the Retry-After of a 429; a /v1/classify request past ``classify_limits``
     (inputs, labels, tokens) gets 400.
     """
-    server = _Server(inferencer, served_model_name or default_name(inferencer.model.path), api_key, max_body_bytes,
-                     read_timeout, retry_after, classify_limits)
+    return shell_app(LocalBackend(inferencer), inferencer.model,
+                     served_model_name or default_name(inferencer.model.path), api_key=api_key,
+                     max_body_bytes=max_body_bytes, read_timeout=read_timeout, retry_after=retry_after,
+                     classify_limits=classify_limits)
+
+
+def shell_app(backend, model, name: str, *, api_key: str | None = None, max_body_bytes: int = 8 << 20,
+              read_timeout: float = 30.0, retry_after: int = 1, classify_limits: ClassifyLimits = ClassifyLimits(),
+              served: tuple[str, ...] = ()) -> Starlette:
+    """The routes over any backend (:mod:`slotinfer.serve.backend`): ``model`` encodes, renders and
+    decodes here, ``backend`` runs the requests (in this process, or on replicas elsewhere).
+    ``served``: every name the whole service answers to, for the message of a 404."""
+    server = _Server(backend, model, name, api_key, max_body_bytes, read_timeout, retry_after, classify_limits,
+                     served or (name,))
     routes = [
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_page, methods=["GET"]),
@@ -101,12 +114,12 @@ async def _internal_error(request, exc: Exception):
 
 
 class _Server:
-    def __init__(self, inferencer, name: str, api_key, max_body_bytes: int, read_timeout: float, retry_after: int,
-                 classify_limits: ClassifyLimits):
-        self.inf, self.model, self.name = inferencer, inferencer.model, name
+    def __init__(self, backend, model, name: str, api_key, max_body_bytes: int, read_timeout: float,
+                 retry_after: int, classify_limits: ClassifyLimits, served: tuple[str, ...]):
+        self.engine, self.model, self.name, self.served = backend, model, name, served
         self.api_key, self.max_body, self.retry_after = api_key, max_body_bytes, retry_after
         self.read_timeout = read_timeout
-        self.metrics = Metrics(inferencer)
+        self.metrics = Metrics(backend)
         self.created = int(time.time())
         self.token_text = TokenText(self.model.tokenizer)
         self.tool_format = tools.format_of(self.model)  # the format its tool calls are parsed in
@@ -116,7 +129,7 @@ class _Server:
     # -- plain pages ----------------------------------------------------------------
 
     async def health(self, request: Request):
-        if self.inf.closed:
+        if self.engine.closed:
             return JSONResponse({"status": "closed"}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.name})
 
@@ -139,7 +152,7 @@ class _Server:
 
     def _model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "slotinfer",
-                "max_model_len": self.inf.engine.max_len}
+                "max_model_len": self.engine.max_len}
 
     # -- generation -----------------------------------------------------------------
 
@@ -169,7 +182,7 @@ class _Server:
             self._check_model(req.model)
             if req.echo:
                 return await echo_completion(self, request, req, t0)
-            self._check_fits(req)
+            check_fits(self.engine, req)
             self._force_call(req)
             prompts = await asyncio.to_thread(self._encode, req)  # seconds for a prompt of megabytes
             await asyncio.to_thread(self._compile, req)  # seconds for a hard schema
@@ -231,28 +244,7 @@ class _Server:
             raise APIError(400, str(e), param=req.constrained_by or getattr(e, "param", None)) from None
 
     def _check_fits(self, req: GenerateRequest):
-        """400 for a request with more rows than the slots and the queue bound hold together: a 429 would
-        have its client retry forever."""
-        bound, slots = self.inf.max_queue, self.inf.engine.slots
-        rows, most = len(req.prompts) * req.n, slots + self.inf.max_queue
-        if bound and rows > most:
-            param = "prompt" if len(req.prompts) > most else "n"
-            what = f"{len(req.prompts)} prompts x n={req.n}" if len(req.prompts) > 1 else f"n={req.n}"
-            raise bad_param(param, f"this request asks for {rows} rows ({what}); this server holds at most {most} "
-                                   f"at once ({slots} slots + {bound} queued): lower n or send fewer prompts per request")
-
-    async def _await_room(self, rows: int):
-        """Wait, briefly, while the queue bound is full of rows that free slots await (those this request
-        submitted a moment ago, until the worker's next turn moves them), so that a request that fits the
-        server is taken whole.  With no room to come, return at once: the submit that follows is a 429."""
-        bound, slots = self.inf.max_queue, self.inf.engine.slots
-        pause, deadline = 0.001, time.monotonic() + 1.0
-        while bound and time.monotonic() < deadline:
-            s = self.inf.stats()
-            if s["waiting"] < bound or s["active_slots"] + s["waiting"] + rows > slots + bound:
-                return
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, 0.02)
+        check_fits(self.engine, req)
 
     def _encode(self, req: GenerateRequest) -> list[list[int]]:
         """The token ids of each prompt (chat messages rendered with the model's template), on a worker
@@ -274,27 +266,16 @@ class _Server:
 
     async def _submit(self, req: GenerateRequest, prompts: list[list[int]]):
         """One handle per choice (prompt-major, as OpenAI numbers them); all or none are submitted."""
-        model = self.model
-        loop = asyncio.get_running_loop()
-        handles = []
-        try:
-            left = len(prompts) * req.n
-            for ids in prompts:
-                room = min(self.inf.engine.max_len, model.context_length) - len(ids)
-                max_tokens = req.max_tokens or (max(room, 1) if req.chat else DEFAULT_MAX_TOKENS)
-                for j in range(req.n):
-                    params = dict(req.params)
-                    if "seed" in params:  # n rows of one seeded request: distinct, reproducible draws
-                        params["seed"] = (params["seed"] + j) % 2**32
-                    await self._await_room(left)
-                    left -= 1
-                    handles.append(self.inf.submit(ids, block=False, loop=loop, max_tokens=max_tokens,
-                                                   logprobs=req.logprobs, top_logprobs=req.top_logprobs, **params))
-        except BaseException:
-            for h in handles:
-                h.cancel()
-            raise
-        return handles, sum(map(len, prompts))
+        rows = []
+        for ids in prompts:
+            room = min(self.engine.max_len, self.model.context_length) - len(ids)
+            max_tokens = req.max_tokens or (max(room, 1) if req.chat else DEFAULT_MAX_TOKENS)
+            for j in range(req.n):
+                params = dict(req.params, max_tokens=max_tokens, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+                if "seed" in params:  # n rows of one seeded request: distinct, reproducible draws
+                    params["seed"] = (params["seed"] + j) % 2**32
+                rows.append((ids, params))
+        return await self.engine.submit(rows), sum(map(len, prompts))
 
     async def _complete(self, request, req, handles, shaper, t0, prompt_tokens, endpoint, shape=None):
         rows = [asyncio.ensure_future(self._drain(h, Timer(self.metrics, t0), shaper, i))
@@ -409,7 +390,7 @@ class _Server:
             self._authorize(request)
             req = parse_classify(await self._json(request), self.classify_limits)
             self._check_model(req.model)
-            bound = self.inf.max_queue  # classify waits in its own line, as long as the engine's (0: unbounded)
+            bound = self.engine.max_queue  # classify waits in its own line, as long as the engine's (0: unbounded)
             if bound and self._classify_pending >= bound:
                 raise APIError(429, f"{bound} classification requests are already waiting; retry later",
                                type="rate_limit_error", code="rate_limit_exceeded",
@@ -457,7 +438,7 @@ class _Server:
         """On a thread of its own: tokenize, check the request's size, and hand the job to the Inferencer,
         whose worker runs it a unit at a time between decode steps."""
         prefix, rows = self._classify_tokens(req)
-        return self.inf.submit_classify(rows, labels=req.labels, prefix=prefix, label_prefix=req.label_prefix)
+        return self.engine.submit_classify(rows, labels=req.labels, prefix=prefix, label_prefix=req.label_prefix)
 
     def _classify_tokens(self, req) -> tuple[list[int] | None, list]:
         """The prefix's and each input's ids, as Model.classify takes them (a sentence behind a prefix
@@ -496,7 +477,7 @@ class _Server:
         """End every request now, each with its answer (a 503, or a stream's error event and ``[DONE]``):
         the server is shutting down and its grace period ran out.  Closes the Inferencer without draining
         and stops each classify before its next unit of work."""
-        self.inf.close(drain=False)
+        self.engine.end_requests()
 
     def _refuse(self, endpoint: str, e: BaseException, shape=None, req: GenerateRequest | None = None) -> Response:
         """The error response in the dialect's ``shape``, naming the request's keys as its client spelled them."""
@@ -512,7 +493,8 @@ class _Server:
 
     def _check_model(self, name):
         if name is not None and name != self.name:
-            raise APIError(404, f"the model {short(name)} does not exist; this server serves {self.name!r}",
+            serves = f"{self.name!r}" if len(self.served) == 1 else ", ".join(map(repr, self.served))
+            raise APIError(404, f"the model {short(name)} does not exist; this server serves {serves}",
                            param="model", code="model_not_found")
 
     async def _json(self, request: Request) -> dict:

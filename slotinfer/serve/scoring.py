@@ -18,6 +18,7 @@ from starlette.routing import Route
 from ..embed import to_base64
 from ..errors import Cancelled, InvalidRequestError, PromptTooLongError
 from ..request import short
+from .backend import check_fits
 from .errors import APIError, bad_param, cut_short
 from .http import EventStream, disconnected
 from .metrics import Timer
@@ -33,7 +34,7 @@ async def run_job(server, request: Request, submit, endpoint: str, extra=()):
     """Submit a prefill job (``submit()``, on a thread: it tokenizes) and wait for its results, or for
     the client to leave; ``extra``: awaitables (a completion's rows) to wait for with it.  Returns the
     job's results and ``extra``'s, or a Response (499: the client left; 503: the server shut down)."""
-    bound = server.inf.max_queue  # jobs wait in their own line, as long as the engine's (0: unbounded)
+    bound = server.engine.max_queue  # jobs wait in their own line, as long as the engine's (0: unbounded)
     pending = getattr(server, "_prefill_pending", 0)
     if bound and pending >= bound:
         raise APIError(429, f"{bound} scoring or embedding requests are already waiting; retry later",
@@ -82,7 +83,7 @@ async def echo_completion(server, request: Request, req, t0: float):
     endpoint, handles, streaming = "completions", [], False
     try:
         if req.max_tokens != 0:  # scoring alone takes no slot
-            server._check_fits(req)
+            check_fits(server.engine, req)
         server._force_call(req)
         prompts = await asyncio.to_thread(server._encode, req)
         await asyncio.to_thread(server._compile, req)
@@ -92,7 +93,7 @@ async def echo_completion(server, request: Request, req, t0: float):
         rows = [] if req.stream else [server._drain(h, Timer(server.metrics, t0)) for h in handles]
         if req.logprobs:
             def submit():
-                return server.inf.submit_score(prompts, top_logprobs=req.top_logprobs)
+                return server.engine.submit_score(prompts, top_logprobs=req.top_logprobs)
 
             got = await run_job(server, request, submit, endpoint, rows)
             if isinstance(got, Response):
@@ -255,7 +256,7 @@ async def embeddings(server, request: Request):
         req = parse_embeddings(await server._json(request), server.classify_limits, server.model.config.hidden_size)
         server._check_model(req["model"])
         rows = await asyncio.to_thread(_embed_rows, server, req)
-        got = await run_job(server, request, lambda: server.inf.submit_embed(
+        got = await run_job(server, request, lambda: server.engine.submit_embed(
             rows, pooling=req["pooling"], normalize=req["normalize"], dimensions=req["dimensions"]), "embeddings")
         if isinstance(got, Response):
             return got

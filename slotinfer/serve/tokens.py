@@ -85,7 +85,7 @@ async def tokenize(server, request: Request):
         return server._refuse("tokenize", e)
     server.metrics.outcome("tokenize", "ok")
     out = {"tokens": [{"id": t, "piece": server.token_text(t)[0]} for t in ids] if pieces else ids,
-           "count": len(ids), "max_model_len": server.inf.engine.max_len}
+           "count": len(ids), "max_model_len": server.engine.max_len}
     if strs:
         out["token_strs"] = [server.model.tokenizer.id_to_token(t) for t in ids]
     return JSONResponse(out)
@@ -119,5 +119,5 @@ async def tokenizer_info(server, request: Request):
     tok = server.model.tokenizer
     return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
                          "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
-                         "chat_template": tok.chat_template, "model_max_length": server.inf.engine.max_len,
+                         "chat_template": tok.chat_template, "model_max_length": server.engine.max_len,
                          "add_bos_token": tok.bos_id is not None and tok.encode("a")[:1] == [tok.bos_id]})

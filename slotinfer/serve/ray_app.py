@@ -1,0 +1,271 @@
+"""The Ray Serve application: replicas of one Inferencer each, behind an ingress that speaks the
+same routes as ``slotinfer serve`` (it runs the same shell, :func:`~slotinfer.serve.app.shell_app`,
+over a :class:`~slotinfer.serve.remote.RemoteBackend`).
+
+    >>> from ray import serve
+    >>> import slotinfer.ray
+    >>> serve.run(slotinfer.ray.serve_app("path/to/model", replicas=2), route_prefix="/")
+
+Per model, one deployment of :class:`Replica` (its request router: :class:`~slotinfer.serve.routing.PrefixRouter`
+unless ``routing`` says otherwise); one :class:`Ingress` deployment in front of them all.
+The ingress loads each model too: it renders, encodes and decodes there, and routes on the
+prompt's token ids.  See docs/scale-out.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+import slotinfer
+
+from ..errors import InvalidRequestError, ModelNotFoundError
+from ..loading import hub
+from .app import default_name, shell_app
+from .backend import LocalBackend, warm_up
+from .remote import RemoteBackend
+
+ROUTERS = {"prefix": "slotinfer.serve.routing:PrefixRouter",
+           "round_robin": "slotinfer.serve.routing:RoundRobinRouter",
+           "pow2": None}  # Serve's own: power of two choices by queue length
+DEFAULT_MAX_LEN = 2048
+STATS_PERIOD_S = 1.0  # how often each replica reports its queue depth and free K/V blocks to the routers
+
+
+class Replica:
+    """One Inferencer over ``model``; ``engine``: the Inferencer's keyword arguments."""
+
+    def __init__(self, model: str, engine: dict):
+        loaded = slotinfer.load(model)
+        engine = {"max_len": min(DEFAULT_MAX_LEN, loaded.context_length), **engine}  # as slotinfer serve's
+        self.inf = slotinfer.Inferencer(loaded, **engine)
+        warm_up(self.inf)
+        self.backend = LocalBackend(self.inf)
+        ctx = serve.get_replica_context()
+        self.id = str(getattr(ctx.replica_id, "unique_id", ctx.replica_id))
+
+    def info(self) -> dict:
+        b = self.backend
+        return {"max_len": b.max_len, "slots": b.slots, "max_queue": b.max_queue, "block_tokens": b.block_tokens,
+                "replica": self.id, "stats": self.inf.stats()}
+
+    async def generate(self, rows: list, route=None, blocks: int = 0):
+        """A request's rows (``[(prompt ids, params)]``, taken whole or refused whole), streamed:
+        ("accepted", replica), then ("event", row, StreamEvent) per token and ("done", row, Completion)
+        or ("error", row, exception) per row, then ("stats", replica, stats); ("error", exception)
+        first when the rows were refused.  ``route`` and ``blocks`` are the router's (the first prompt's
+        block hashes, the blocks the rows need)."""
+        try:
+            handles = await self.backend.submit(rows)
+        except Exception as e:  # noqa: BLE001 -- the caller answers it (QueueFull: 429; a bad row: 400)
+            yield ("error", e)
+            return
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, h):
+            async for ev in h:
+                events.put_nowait(("event", i, ev))
+            try:
+                events.put_nowait(("done", i, h.result()))
+            except Exception as e:  # noqa: BLE001 -- the row's own failure, the caller's to report
+                events.put_nowait(("error", i, e))
+
+        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        try:
+            yield ("accepted", self.id)
+            left = len(handles)
+            while left:
+                item = await events.get()
+                left -= item[0] != "event"
+                yield item
+            yield ("stats", self.id, self.inf.stats())
+        finally:
+            for h in handles:
+                h.cancel()  # the caller went away (or the rows ended): free their slots at the next step
+            for p in pumps:
+                p.cancel()
+
+    async def submit_job(self, kind: str, rows, kw: dict):
+        submit = {"classify": self.backend.submit_classify, "score": self.backend.submit_score,
+                  "embed": self.backend.submit_embed}[kind]
+        job = await asyncio.to_thread(submit, rows, **kw)
+        try:
+            return await job
+        finally:
+            job.cancel()  # a no-op for a job that ended; else it stops before its next unit of work
+
+    def record_routing_stats(self) -> dict:
+        s = self.inf.stats()
+        return {"waiting": s["waiting"], "running": s["active_slots"], "blocks_free": s.get("blocks_free", -1),
+                "slots": self.backend.slots}
+
+    def check_health(self):
+        if self.inf.closed:
+            raise RuntimeError("the Inferencer is closed")
+
+    def __del__(self):
+        inf = getattr(self, "inf", None)
+        if inf is not None:
+            inf.close(drain=False)
+
+
+class Ingress:
+    """The HTTP side: one shell per model (``replicas``: name -> its replicas' handle), and a dispatcher
+    that hands each request to the shell of the model its body names."""
+
+    async def __init__(self, replicas: dict, paths: dict, shell: dict):
+        apps = {}
+        names = tuple(replicas)
+        for name, handle in replicas.items():
+            model = await asyncio.to_thread(slotinfer.load, paths[name])
+            info = await handle.info.remote()
+            apps[name] = shell_app(RemoteBackend(handle, info), model, name, served=names, **shell)
+        self._dispatcher = Dispatcher(apps)
+
+    def __serve_build_asgi_app__(self):
+        return self._dispatcher
+
+
+class Dispatcher:
+    """An ASGI app over several shells: ``/v1/models`` lists every model; ``/v1/models/NAME`` and a
+    request whose JSON body names a model go to that model's shell; the rest (and a model no shell
+    serves, which it answers with its 404) to the first."""
+
+    def __init__(self, apps: dict):
+        self.apps = apps
+        self.first = next(iter(apps.values()))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or len(self.apps) == 1:
+            return await self.first(scope, receive, send)
+        path = scope["path"]
+        if path == "/v1/models" and scope["method"] == "GET":
+            return await self._models(scope, receive, send)
+        if path.startswith("/v1/models/"):
+            app = self.apps.get(path[len("/v1/models/"):], self.first)
+            return await app(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.first(scope, receive, send)
+        limit = self.first.state.slotinfer.max_body
+        chunks, more, size = [], True, 0
+        while more and size <= limit:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+        app = self.first
+        if not more:
+            try:
+                app = self.apps.get(json.loads(b"".join(chunks)).get("model"), self.first)
+            except (ValueError, AttributeError, TypeError):
+                pass  # not a JSON object: the shell says what is wrong with it
+        body = [b"".join(chunks)]
+
+        async def replay():
+            if body:
+                return {"type": "http.request", "body": body.pop(), "more_body": more}
+            return await receive()
+
+        return await app(scope, replay, send)
+
+    async def _models(self, scope, receive, send):
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+
+        from .errors import APIError
+
+        server = self.first.state.slotinfer
+        try:
+            server._authorize(Request(scope, receive))
+        except APIError as e:
+            return await e.response()(scope, receive, send)
+        cards = [app.state.slotinfer._model_card() for app in self.apps.values()]
+        return await JSONResponse({"object": "list", "data": cards})(scope, receive, send)
+
+
+def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] | None = None,
+              routing: str = "prefix", slots: int = 32, max_queue: int = 64, max_len: int | None = None,
+              engine: dict | None = None, num_cpus: float = 1.0, num_gpus: float = 0, replica_options: dict | None = None,
+              api_key: str | None = None, ingress_replicas: int = 1, ingress_cpus: float = 0.5, **shell):
+    """A Ray Serve application of slotinfer replicas, for ``serve.run`` (or a Serve config file's
+    ``import_path``).
+
+    ``model``: a model's path or hub id, or ``{name: path}`` for several models in one application
+    (``/v1/models`` lists them all; a request's ``model`` picks one).  ``replicas=N`` replicas of each
+    model, or ``autoscale=(MIN, MAX)``: Serve adds replicas while each has more than ``slots`` requests
+    and takes them away while idle.  ``routing``: "prefix" (requests whose prompts start alike go to the
+    replica that holds that start), "pow2" (Serve's default: the shorter queue of two), "round_robin".
+    ``slots``, ``max_queue``, ``max_len`` and ``engine`` (more Inferencer arguments) configure each
+    replica's Inferencer; ``num_cpus``/``num_gpus``: what each replica asks Ray for, and
+    ``replica_options`` more of its Ray actor options (``runtime_env``, ``resources``).  The rest
+    (``api_key``, ``max_body_bytes``, ``read_timeout``, ``retry_after``) configure the routes, as
+    :func:`~slotinfer.serve.build_app`'s.
+    """
+    paths = model if isinstance(model, dict) else {default_name(hub_path(model)): model}
+    if not paths:
+        raise InvalidRequestError("serve_app needs at least one model")
+    for name, path in paths.items():
+        hub_path(path)
+    if (replicas is None) == (autoscale is None):
+        raise InvalidRequestError("give the number of replicas (replicas=N) or the autoscaling bounds "
+                                  "(autoscale=(MIN, MAX)), one of the two")
+    if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1):
+        raise InvalidRequestError(f"replicas must be an int >= 1, got {replicas!r}")
+    if autoscale is not None:
+        lo, hi = autoscale
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise InvalidRequestError(f"autoscale must be (MIN, MAX) with 1 <= MIN <= MAX, got {autoscale!r}")
+    if routing not in ROUTERS:
+        raise InvalidRequestError(f"routing must be one of {sorted(ROUTERS)}, got {routing!r}")
+    engine = dict(engine or {}, slots=slots, max_queue=max_queue)
+    if max_len is not None:
+        engine["max_len"] = max_len
+    router = RequestRouterConfig(request_routing_stats_period_s=STATS_PERIOD_S,
+                                 **({"request_router_class": ROUTERS[routing]} if ROUTERS[routing] else {}))
+    # Serve queues a request only past what the Inferencer's own queue holds: the replica refuses first (429)
+    scale = {"num_replicas": replicas} if replicas else {
+        "autoscaling_config": {"min_replicas": autoscale[0], "max_replicas": autoscale[1],
+                               "target_ongoing_requests": slots}}
+    bound = {}
+    for name, path in paths.items():
+        deployment = serve.deployment(Replica, name=f"slotinfer-{_dns(name)}",
+                                      max_ongoing_requests=slots + max_queue + 1, max_queued_requests=max_queue or -1,
+                                      ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus,
+                                                         **(replica_options or {})},
+                                      request_router_config=router, health_check_period_s=2, **scale)
+        bound[name] = deployment.bind(path, engine)
+    ingress = serve.deployment(serve.ingress()(Ingress), name="slotinfer-ingress", num_replicas=ingress_replicas,
+                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": ingress_cpus})
+    return ingress.bind(bound, paths, dict(shell, api_key=api_key))
+
+
+def hub_path(path):
+    """``path`` resolved (a hub id through the cache); a clear error at once when it names no model."""
+    from pathlib import Path
+
+    if not isinstance(path, (str, Path)):
+        raise InvalidRequestError(f"a model is a path or a hub id (a str), got {path!r}")
+    local = Path(hub.local_path(path)).expanduser()
+    if not local.exists():
+        raise ModelNotFoundError(f"no model at {str(path)!r}: pass a model folder, a GGUF file or a hub id")
+    return local
+
+
+def _dns(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in name)
+
+
+def build(args: dict):
+    """The application builder a Serve config file names (``import_path: slotinfer.serve.ray_app:build``):
+    its ``args`` are :func:`serve_app`'s keywords (``autoscale`` as a list ``[MIN, MAX]``)."""
+    args = dict(args)
+    if "model" not in args:
+        raise InvalidRequestError("the application's args need 'model': a path, a hub id, or {name: path}")
+    if args.get("autoscale") is not None:
+        args["autoscale"] = tuple(args["autoscale"])
+    return serve_app(args.pop("model"), **args)

@@ -1,0 +1,243 @@
+"""The Ray Serve application on a real local Ray cluster (2 CPUs): two replicas of a tiny model behind
+the ingress, driven by the ``openai`` client, against one ``slotinfer serve`` over the same model."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray Serve is the optional extra slotinfer[ray]")
+serve = pytest.importorskip("ray.serve")
+pytestmark = pytest.mark.slow  # a local Ray cluster, a Serve application
+
+import slotinfer  # noqa: E402
+import slotinfer.ray as sr  # noqa: E402
+from slotinfer.cli.main import main  # noqa: E402
+from slotinfer.serve import build_app  # noqa: E402
+from slotinfer.serve.app import shell_app  # noqa: E402
+from slotinfer.serve.backend import LocalBackend  # noqa: E402
+from slotinfer.serve.background import serving  # noqa: E402
+from slotinfer.serve.ray_app import Dispatcher, build  # noqa: E402
+
+NAME = "qwen3"  # the tiny model's folder: its name in the API
+SLOTS, QUEUE, MAX_LEN = 4, 4, 256
+ENGINE = dict(slots=SLOTS, max_queue=QUEUE, max_len=MAX_LEN)
+WORDS = "the cat sat on a mat while rain fell over quiet hills and old roads near the sea".split()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_path(model_dir):
+    return str(model_dir("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return slotinfer.load(model_path)
+
+
+@pytest.fixture(scope="module")
+def fleet(model_path):
+    """The application's base URL: 2 replicas (half a CPU each) and the ingress, on 2 CPUs."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(sr.serve_app(model_path, replicas=2, num_cpus=0.5, ingress_cpus=0.25, **ENGINE),
+              name="slotinfer", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return openai.OpenAI(base_url=fleet + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def single(model):
+    """One ``slotinfer serve`` (the same app, in this process) over the same model."""
+    with slotinfer.Inferencer(model, **ENGINE) as inf, serving(build_app(inf, served_model_name=NAME)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _system(i: int, words: int = 60) -> str:
+    return " ".join(WORDS[(i * 5 + j) % len(WORDS)] for j in range(words))
+
+
+def test_greedy_outputs_equal_one_servers(client, single):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    prompts = ["Once upon a time", "The sea"]
+    got = client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0, n=2)
+    want = single.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0, n=2)
+    assert [(c.index, c.text, c.finish_reason) for c in got.choices] == \
+           [(c.index, c.text, c.finish_reason) for c in want.choices]
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (want.usage.prompt_tokens,
+                                                                      want.usage.completion_tokens)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    got = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0)
+    want = single.chat.completions.create(model=NAME, messages=msgs, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    with pytest.raises(openai.NotFoundError) as e:  # the same error shapes as one server's
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and NAME in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    page = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    assert 'slotinfer_requests_total{endpoint="completions",outcome="ok"} 1.0' in page
+
+
+def test_streams_are_well_formed(client, single):
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    kw = dict(model=NAME, messages=msgs, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    whole = single.chat.completions.create(**kw)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_the_other_routes_run_on_the_replicas(fleet, model):
+    """Classify and embeddings are jobs on a replica; Anthropic Messages rides the same rows as chat."""
+    r = httpx.post(fleet + "/v1/classify", json={"input": ["a cat", "the sea"], "labels": ["yes", "no"]}, timeout=60)
+    assert [d["label"] for d in r.json()["data"]] == [c.label for c in model.classify(["a cat", "the sea"],
+                                                                                       labels=["yes", "no"])]
+    r = httpx.post(fleet + "/v1/embeddings", json={"input": ["a cat"]}, timeout=60)
+    assert r.json()["data"][0]["embedding"] == pytest.approx([float(x) for x in model.embed(["a cat"])[0]], abs=1e-4)
+    r = httpx.post(fleet + "/v1/messages", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message" and 1 <= r.json()["usage"]["output_tokens"] <= 4
+
+
+def test_a_chats_later_turns_land_where_its_first_did(client):
+    """Four chats with distinct system prompts: each later turn finds its conversation's K/V in the cache
+    of the replica that served the turn before (a blind balancer would miss about half of them)."""
+    chats = [[{"role": "system", "content": _system(i)}, {"role": "user", "content": f"Question {i}?"}]
+             for i in range(4)]
+    for turn in range(3):
+        for i, msgs in enumerate(chats):
+            r = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=6, temperature=0)
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            if turn:  # all of the earlier turn's prompt, but for its last partial block
+                assert cached >= r.usage.prompt_tokens // 2, (turn, i, cached, r.usage.prompt_tokens)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": f"And then {turn}?"}]
+
+
+def test_a_full_fleet_answers_429_with_retry_after(fleet):
+    """Twelve requests of two rows at once: the fleet holds 16 rows (2 x (4 slots + 4 queued)), each
+    request whole on one replica; past that, 429 (never a request cut in part)."""
+    body = {"model": NAME, "prompt": _system(9, 20), "max_tokens": MAX_LEN // 2, "ignore_eos": True, "n": 2}
+    out, go = [], threading.Barrier(12)
+
+    def send():
+        go.wait()
+        r = httpx.post(fleet + "/v1/completions", json=body, timeout=300)
+        out.append((r.status_code, r.headers.get("retry-after"), r.json()))
+        assert r.status_code != 400, r.json()
+
+    threads = [threading.Thread(target=send) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(code for code, _, _ in out)
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+    for code, retry, got in out:
+        if code == 429:
+            assert retry == "1" and got["error"]["code"] == "rate_limit_exceeded"
+        else:
+            assert len(got["choices"]) == 2 and got["usage"]["completion_tokens"] == MAX_LEN
+
+
+def test_bad_configuration_is_a_clear_error_at_start(model_path, tmp_path, capsys):
+    with pytest.raises(slotinfer.InvalidRequestError, match="replicas must be an int >= 1"):
+        sr.serve_app(model_path, replicas=0)
+    with pytest.raises(slotinfer.InvalidRequestError, match="autoscale"):
+        sr.serve_app(model_path, autoscale=(3, 1))
+    with pytest.raises(slotinfer.ModelNotFoundError, match="no model at"):
+        sr.serve_app(str(tmp_path / "absent"), replicas=1)
+    with pytest.raises(slotinfer.InvalidRequestError, match="need 'model'"):
+        build({"replicas": 2})  # a Serve config file's args
+    assert type(build({"model": model_path, "autoscale": [1, 2]})).__name__ == "Application"
+    assert main(["serve", model_path, "--ray", "--ray-address", f"127.0.0.1:{_free_port()}"]) == 2
+    assert "no Ray cluster answers" in capsys.readouterr().err
+
+
+def test_several_models_under_their_names(model):
+    """The ingress's dispatcher: one shell per model, /v1/models lists them all, a request's model picks."""
+    with slotinfer.Inferencer(model, **ENGINE) as a, slotinfer.Inferencer(model, **ENGINE) as b:
+        names = ("first", "second")
+        apps = {n: shell_app(LocalBackend(inf), model, n, served=names) for n, inf in zip(names, (a, b))}
+        with serving(Dispatcher(apps)) as url:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            assert [m.id for m in c.models.list().data] == list(names)
+            assert c.models.retrieve("second").id == "second"
+            for n, inf in zip(names, (a, b)):
+                before = inf.stats()["submitted"]
+                assert c.completions.create(model=n, prompt="Hi", max_tokens=3).model == n
+                assert inf.stats()["submitted"] == before + 1
+            with pytest.raises(openai.NotFoundError, match="'first', 'second'"):
+                c.completions.create(model="third", prompt="Hi", max_tokens=3)
+
+
+def _replica_actors():
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if "slotinfer-qwen3" in a["name"]]
+
+
+def test_a_dying_replica_loses_no_unstarted_request(client):
+    """Streams run on both replicas; one replica is killed: its streams end with an error event, the others
+    finish, and requests sent right after (some routed to the dead replica before the router knows) all
+    succeed on the one left while Serve starts another."""
+    results, started = {}, threading.Semaphore(0)
+
+    def stream(i):
+        try:
+            s = client.completions.create(model=NAME, prompt=_system(i, 10), max_tokens=MAX_LEN // 2, temperature=0,
+                                          stream=True, extra_body={"ignore_eos": True})
+            n = 0
+            for _ in s:
+                n += 1
+                if n == 1:
+                    started.release()
+                time.sleep(0.01)  # slow readers: the streams are still running when the replica dies
+            results[i] = ("ok", n)
+        except openai.APIError as e:
+            results[i] = ("error", str(e))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=60)
+    [victim] = _replica_actors()[:1]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    after = [client.completions.create(model=NAME, prompt=_system(20 + i, 8), max_tokens=4, temperature=0)
+             for i in range(6)]
+    for t in threads:
+        t.join(120)
+    assert all(len(r.choices[0].text) >= 0 and r.usage.completion_tokens == 4 for r in after)
+    errors = [m for kind, m in results.values() if kind == "error"]
+    assert len(results) == 6 and errors, results  # the streams of the dead replica ended with an error event
+    assert all("replica" in m for m in errors), errors
+    assert any(kind == "ok" for kind, _ in results.values()), results  # the other replica's finished
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # Serve starts another in its place
+        names = {a["name"] for a in _replica_actors() if a["name"] != victim["name"]}
+        if len(names) == 2:
+            break
+        time.sleep(0.5)
+    assert len(names) == 2, names
