@@ -163,9 +163,13 @@ class SlotTable:
         index = write_index(mx.full((1, bs), dst, dtype=mx.int32), mx.arange(bs, dtype=mx.int32)[None],
                             kv_heads=self.kv_heads, block_size=bs, head_dim=self.head_dim, num_blocks=self.num_blocks)
         source = mx.array([src], dtype=mx.int32)
-        for kv in (self.keys, self.values):
-            for layer, a in enumerate(kv):
-                kv[layer] = scatter(a, index, mx.take(a, source, axis=0))
+        # read out first: a write whose value still reads the pool array cannot write it in place, and
+        # would copy the whole array, every layer
+        blocks = [[mx.take(a, source, axis=0) for a in kv] for kv in (self.keys, self.values)]
+        mx.eval(blocks)
+        for kv, got in zip((self.keys, self.values), blocks):
+            for layer, block in enumerate(got):
+                kv[layer] = scatter(kv[layer], index, block)
 
     def register(self, slot: int, tokens, salt=None):
         """The full blocks of ``tokens`` (what ``slot`` holds from position 0, K/V written or issued)
