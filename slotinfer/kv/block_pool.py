@@ -22,10 +22,10 @@ Host-side bookkeeping only (numpy and dicts; the K/V arrays themselves are per l
   ``cache_blocks`` caps how many such blocks are kept (0: nothing is registered, no cache).
 - A row's last, **partial** block can be kept too when its table lets it go
   (:meth:`register_partial`): filed under its parent's key and salt with the tokens it holds, it is
-  cached and evicted like a full block.  :meth:`lookup_partial` finds the one that shares the
-  longest start with a prompt's next tokens; the caller adopts it (:meth:`adopt`: the row owns it
-  and writes past its tokens) when the prompt goes on past all of them, or copies its K/V into a
-  block of its own.  So a chat's next turn reuses the whole of the turn before, not only its full
+  cached and evicted like a full block.  :meth:`lookup_partial` finds the block kept after a
+  parent (partial, or full and shared only in part) that shares the longest start with a prompt's
+  next tokens; the caller adopts a partial one (:meth:`adopt`: the row owns it and writes past its
+  tokens) when the prompt goes on past all of them, or else copies its K/V into a block of its own.  So a chat's next turn reuses the whole of the turn before, not only its full
   blocks.
 
     >>> pool = BlockPool(num_blocks=10, block_size=4, slots=2, max_blocks=4)
@@ -350,9 +350,9 @@ class BlockPool:
         return True
 
     def lookup_partial(self, parent: int | None, tokens, salt: str | None = None) -> tuple[int | None, int]:
-        """The kept partial block after the block keyed ``parent`` that shares the longest start with
-        ``tokens`` (the prompt's tokens after that block, as many as may be reused), and how many
-        tokens it shares: ``(None, 0)`` when none shares one.  The match is made on the block's own
+        """The block kept after the block keyed ``parent`` (partial, or registered) that shares the
+        longest start with ``tokens`` (the prompt's tokens after that block, as many as may be reused;
+        fewer than a block), and how many tokens it shares: ``(None, 0)`` when none shares one.  The match is made on the block's own
         tokens, parent and salt.  Takes no reference."""
         best, most = None, 0
         tokens = tuple(tokens[: self.block_size - 1])
