@@ -34,7 +34,10 @@ import slotinfer  # noqa: E402
 from bench_prefix import QUESTIONS, TURNS, system_prompt  # noqa: E402
 from slotinfer import default_model  # noqa: E402
 from slotinfer.cli.bench import prompts_of  # noqa: E402
-from slotinfer.engine.engine import Engine  # noqa: E402
+try:
+    from slotinfer.engine.engine import Engine  # noqa: E402
+except ImportError:  # a revision from before the engine's folder
+    from slotinfer.engine import Engine  # noqa: E402
 
 
 def engine(model, block_size, **kw):

@@ -76,6 +76,7 @@ import numpy as np
 from . import request
 from .engine.encoder import FAR, SegmentView, SharedPrefix, forward, last_hidden, plan_batches
 from .errors import InvalidRequestError, PromptTooLongError
+from .prefill_jobs import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, UnitJob, check_budget, default_token_budget  # noqa: F401
 from .engine.sampling import SamplingParams, logsumexp_compiled, sample
 from .types import ClassifyResult
 
@@ -83,13 +84,7 @@ __all__ = ["classify", "ClassifyJob", "default_token_budget", "encode_labels", "
 
 # Padded tokens per forward.  On CPU, bigger batches are no faster (docs/classify.md: budgets
 # 256, 512 and 1024 within 3%) and hold more memory; a GPU wants many more rows to fill it.
-CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 4096
 _HEAD_CHUNK = 64  # rows per full-vocab head call when scoring multi-token labels
-
-
-def default_token_budget() -> int:
-    """Padded tokens per forward when none is given: small on CPU, large on a GPU."""
-    return CPU_TOKEN_BUDGET if mx.default_device() == mx.cpu else GPU_TOKEN_BUDGET
 
 
 # -- labels -------------------------------------------------------------------------
@@ -351,7 +346,7 @@ def classify(model, prompts, *, return_logits: bool = False, labels=None, label_
     return job.results
 
 
-class ClassifyJob:
+class ClassifyJob(UnitJob):
     """One :func:`classify` call as units of work, each at most ``token_budget`` padded tokens (a batch
     of prompts, or a share of a batch's multi-token label continuations), run by :meth:`advance`.
 
@@ -369,11 +364,7 @@ class ClassifyJob:
         p = request.check(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
                           model.config.vocab_size, names=request.SAMPLING, what="classify")
         params = SamplingParams(*(p[k] for k in request.SAMPLING))
-        if token_budget is None:
-            token_budget = default_token_budget()
-        if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
-            raise InvalidRequestError(
-                f"token_budget must be an int >= 1 (padded tokens per forward), got {token_budget!r}")
+        token_budget = check_budget(token_budget)
         if isinstance(prompts, str) or _is_ids(prompts) and prompts:
             raise InvalidRequestError("prompts must be a list of prompts (strings or lists of token ids), "
                                       "not a single prompt; wrap it in a list")
@@ -382,8 +373,7 @@ class ClassifyJob:
         prefix_ids = _encode_prefix(model, prefix) if prefix is not None else []
         share = bool(share_prefix) and bool(prefix_ids)
         extra = label_set.longest - 1 if label_set is not None else 0
-        self.on_result = on_result
-        self.results: list[ClassifyResult | None] = [None] * len(prompts)
+        super().__init__(len(prompts), on_result)
         own: dict[int, list[int]] = {}  # the tokens each row runs (after the shared prefix when sharing)
         for i, p in enumerate(prompts):
             try:
@@ -398,26 +388,13 @@ class ClassifyJob:
             except Exception as e:  # noqa: BLE001 - a bad prompt fails alone
                 self._give(i, ClassifyResult(token=None, error=e))
         self._own, self._lengths = own, {i: len(prefix_ids) + len(ids) if share else len(ids) for i, ids in own.items()}
-        keys = list(own)
-        self._batches = [[keys[j] for j in b] for b in plan_batches([len(own[k]) for k in keys], token_budget)]
+        self._batches = self._plan(own, token_budget)
         self._ready: list[tuple[list[int], dict]] = []  # batches whose every unit is queued, in order
         self._new_runner = lambda: _Classifier(
             model, labels=label_set, return_logits=return_logits, params=params, budget=token_budget,
             base_seed=params.seed if params.seed is not None else random.getrandbits(32), prefix_ids=prefix_ids,
             share=share)
         self._work = self._units() if own else None
-
-    def advance(self) -> bool:
-        """Queue the next unit of work (and wait for the one before it, handing ``on_result`` each batch
-        that is done); True once every result is in :attr:`results`."""
-        if self._work is None:
-            return True
-        try:
-            next(self._work)
-            return False
-        except StopIteration:
-            self._work = None
-            return True
 
     def finish_queued(self):
         """Wait for the batches whose work is queued whole and hand their results on (interrupted, say)."""
@@ -455,7 +432,3 @@ class ClassifyJob:
             if self.results[i] is None:  # interrupted, a batch is finished again: each result is given once
                 self._give(i, r)
 
-    def _give(self, i: int, r: ClassifyResult):
-        self.results[i] = r
-        if self.on_result is not None:
-            self.on_result(i, r)

@@ -32,9 +32,10 @@ from .engine.encoder import SegmentView, forward, plan_batches
 from .engine.sampling import logsumexp_compiled
 from .errors import InvalidRequestError
 
-__all__ = ["PrefillJob", "ScoreJob", "PromptScores", "score", "MAX_TOP_LOGPROBS"]
+__all__ = ["UnitJob", "PrefillJob", "ScoreJob", "PromptScores", "score", "MAX_TOP_LOGPROBS", "default_token_budget"]
 
 MAX_TOP_LOGPROBS = 20
+CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET = 512, 4096
 _HEAD_ROWS = 256  # positions per full-vocabulary head call: bounds the [rows, vocab] logits held at once
 
 
@@ -55,10 +56,14 @@ class PromptScores:
         return float(sum(x for x in self.logprobs[1:]))
 
 
-def _budget(token_budget):
-    if token_budget is None:
-        from .classify import default_token_budget
+def default_token_budget() -> int:
+    """Padded tokens per forward when none is given: small on CPU, large on a GPU."""
+    return CPU_TOKEN_BUDGET if mx.default_device() == mx.cpu else GPU_TOKEN_BUDGET
 
+
+def check_budget(token_budget) -> int:
+    """``token_budget`` as given (padded tokens per forward), or the default for None."""
+    if token_budget is None:
         return default_token_budget()
     if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
         raise InvalidRequestError(f"token_budget must be an int >= 1 (padded tokens per forward), got {token_budget!r}")
@@ -76,35 +81,17 @@ def _prompt_list(prompts, what: str) -> list:
     return list(prompts)
 
 
-class PrefillJob:
-    """A list of prompts as units of prefill work, each a batch of at most ``token_budget`` padded tokens.
+class UnitJob:
+    """A request over a list of prompts, run as units of work (each a forward of at most a token
+    budget): :meth:`advance` queues one, :meth:`run` all of them back to back, and an
+    :class:`~slotinfer.Inferencer`'s worker one between two engine steps.  ``results`` fills in
+    input order, each result handed to ``on_result(index, result)`` as it is in.  A subclass sets
+    ``_work`` (a generator yielding once a unit, None: nothing to run)."""
 
-    A subclass gives :meth:`_encode` (a prompt -> its ids, raising for a bad one), :meth:`_unit`
-    (a batch's rows -> lazy arrays) and :meth:`_collect` (those arrays read back -> one result per
-    row), and :meth:`_failed` (the result of a prompt that failed alone).  The constructor
-    tokenizes every prompt on the calling thread; no forward runs before the first :meth:`advance`.
-    """
-
-    def __init__(self, model, prompts, *, token_budget=None, on_result: Callable | None = None, what="prompts"):
-        self.model, self.net = model, model.net
-        self.budget = _budget(token_budget)
-        prompts = _prompt_list(prompts, what)
+    def __init__(self, n: int, on_result: Callable | None):
         self.on_result = on_result
-        self.results: list = [None] * len(prompts)
-        self._ids: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            try:
-                self._ids[i] = self._encode(p)
-            except Exception as e:  # noqa: BLE001 - a bad prompt fails alone
-                self._give(i, self._failed(e))
-        keys = list(self._ids)
-        self._batches = [[keys[j] for j in b] for b in plan_batches([len(self._ids[k]) for k in keys], self.budget)]
-        self._work = self._units() if keys else None
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens of the prompts that run (those that failed alone not counted)."""
-        return sum(map(len, self._ids.values()))
+        self.results: list = [None] * n
+        self._work = None
 
     def advance(self) -> bool:
         """Queue the next unit (and read back the one before it); True once every result is in :attr:`results`."""
@@ -122,6 +109,47 @@ class PrefillJob:
         while not self.advance():
             pass
         return self.results
+
+    def _give(self, i, result):
+        self.results[i] = result
+        if self.on_result is not None:
+            self.on_result(i, result)
+
+    @staticmethod
+    def _plan(rows: dict, budget: int) -> list[list]:
+        """The keys of ``rows`` (key -> its token ids) cut into batches of at most ``budget`` padded
+        tokens, longest first (:func:`~slotinfer.engine.encoder.plan_batches`)."""
+        keys = list(rows)
+        return [[keys[j] for j in b] for b in plan_batches([len(rows[k]) for k in keys], budget)]
+
+
+class PrefillJob(UnitJob):
+    """A list of prompts as units of prefill work, each a batch of at most ``token_budget`` padded tokens.
+
+    A subclass gives :meth:`_encode` (a prompt -> its ids, raising for a bad one), :meth:`_unit`
+    (a batch's rows -> lazy arrays) and :meth:`_collect` (those arrays read back -> one result per
+    row), and :meth:`_failed` (the result of a prompt that failed alone).  The constructor
+    tokenizes every prompt on the calling thread; no forward runs before the first :meth:`advance`.
+    """
+
+    def __init__(self, model, prompts, *, token_budget=None, on_result: Callable | None = None, what="prompts"):
+        self.model, self.net = model, model.net
+        self.budget = check_budget(token_budget)
+        prompts = _prompt_list(prompts, what)
+        super().__init__(len(prompts), on_result)
+        self._ids: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            try:
+                self._ids[i] = self._encode(p)
+            except Exception as e:  # noqa: BLE001 - a bad prompt fails alone
+                self._give(i, self._failed(e))
+        self._batches = self._plan(self._ids, self.budget)
+        self._work = self._units() if self._ids else None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of the prompts that run (those that failed alone not counted)."""
+        return sum(map(len, self._ids.values()))
 
     def _units(self):
         before = None
@@ -143,11 +171,6 @@ class PrefillJob:
         got = {k: np.array(v) for k, v in out.items()}
         for r, (i, ids) in enumerate(zip(batch, rows)):
             self._give(i, self._collect(got, r, ids))
-
-    def _give(self, i, result):
-        self.results[i] = result
-        if self.on_result is not None:
-            self.on_result(i, result)
 
     # -- what a subclass gives --------------------------------------------------------
 

@@ -189,8 +189,8 @@ class ItemProcessor:
         """``item`` leaves its slot: its prompt and what it generated stay in the prefix cache, as far
         as the slot holds their K/V (a generated token's is written by the step that reads it)."""
         written = min(int(self.table.lengths[item.slot]), len(item.prompt) + len(item.tokens))
-        if self.table.caching and written >= self.table.block_size:
-            self.table.register(item.slot, (item.prompt + item.tokens)[:written], item.salt)
+        if self.table.caching and written:
+            self.table.keep(item.slot, (item.prompt + item.tokens)[:written], item.salt)
 
     def _free_slot(self, item: Item):
         self.by_slot[item.slot] = None

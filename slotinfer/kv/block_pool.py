@@ -20,6 +20,13 @@ Host-side bookkeeping only (numpy and dicts; the K/V arrays themselves are per l
   reference.  A registered block nobody holds is free capacity: it waits at the back of the free
   queue (least recently released first) until an allocation takes it and it loses its hash.
   ``cache_blocks`` caps how many such blocks are kept (0: nothing is registered, no cache).
+- A row's last, **partial** block can be kept too when its table lets it go
+  (:meth:`register_partial`): filed under its parent's key and salt with the tokens it holds, it is
+  cached and evicted like a full block.  :meth:`lookup_partial` finds the block kept after a
+  parent (partial, or full and shared only in part) that shares the longest start with a prompt's
+  next tokens; the caller adopts a partial one (:meth:`adopt`: the row owns it and writes past its
+  tokens) when the prompt goes on past all of them, or else copies its K/V into a block of its own.  So a chat's next turn reuses the whole of the turn before, not only its full
+  blocks.
 
     >>> pool = BlockPool(num_blocks=10, block_size=4, slots=2, max_blocks=4)
     >>> pool.grow(0, 6)                     # slot 0 holds 6 tokens: 2 blocks
@@ -101,7 +108,10 @@ class BlockPool:
         self.meta: dict[int, tuple] = {}  # block id -> (hash, parent hash, tokens, salt) of a registered block
         self.cache_blocks = num_blocks if cache_blocks is None else max(0, int(cache_blocks))
         self.cached: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds, least recent first
-        self.counters = dict(allocated=0, evicted=0, registered=0, queries=0, hits=0, query_tokens=0, hit_blocks=0)
+        self.partial: dict[int, tuple] = {}  # block id -> (parent hash, tokens, salt) of a kept partial block
+        self.by_parent: dict[tuple, dict[int, None]] = {}  # (parent hash, salt) -> the blocks kept after it
+        self.counters = dict(allocated=0, evicted=0, registered=0, queries=0, hits=0, query_tokens=0, hit_blocks=0,
+                             hit_tokens=0, partial_hits=0)
 
     # -- the free queue ------------------------------------------------------------------------
 
@@ -130,7 +140,7 @@ class BlockPool:
                                    f"check can_allocate before allocating, or free a slot")
         out = [self.free.popitem(last=False)[0] for _ in range(n)]
         for b in out:
-            if b in self.meta:  # a cached block reused for other tokens: its hash no longer names it
+            if b in self.meta or b in self.partial:  # a cached block reused for other tokens: nothing names it now
                 self._forget(b)
         self.ref[out] = 1
         self.counters["allocated"] += n
@@ -138,9 +148,25 @@ class BlockPool:
 
     def _forget(self, b: int):
         """``b`` is no longer a cached prefix block (evicted)."""
-        del self.by_hash[self.meta.pop(b)[0]]
+        self._unfile(b)
         self.cached.pop(b, None)
         self.counters["evicted"] += 1
+
+    def _file(self, b: int, parent, salt):
+        self.by_parent.setdefault((parent, salt), {})[b] = None
+
+    def _unfile(self, b: int):
+        """Take the kept block ``b`` (registered or partial) out of the maps that name it."""
+        if b in self.partial:
+            parent, _, salt = self.partial.pop(b)
+        else:
+            key, parent, _, salt = self.meta.pop(b)
+            if self.by_hash.get(key) == b:
+                del self.by_hash[key]
+        group = self.by_parent[(parent, salt)]
+        del group[b]
+        if not group:
+            del self.by_parent[(parent, salt)]
 
     def _acquire(self, blocks):
         for b in blocks:
@@ -155,7 +181,7 @@ class BlockPool:
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None  # registered: the back, kept while memory allows
-                if b in self.meta:
+                if b in self.meta or b in self.partial:
                     self.cached[b] = None
                 else:
                     self.free.move_to_end(b, last=False)  # nothing worth keeping: reused first
@@ -216,6 +242,14 @@ class BlockPool:
         self.tables[slot, : len(blocks)] = blocks
         self.held[slot] = len(blocks)
 
+    def hold(self, block: int) -> None:
+        """One reference more on ``block`` outside any table (a copy's source), so no allocation takes it."""
+        self._acquire([block])
+
+    def let_go(self, block: int) -> None:
+        """The reference :meth:`hold` took goes back."""
+        self._release([block])
+
     def release_slot(self, slot: int) -> None:
         """``slot`` gives back every block it holds (its last first) and is empty again."""
         n = int(self.held[slot])
@@ -257,11 +291,12 @@ class BlockPool:
             return key  # no cache: the key chains on, nothing is kept
         old = self.by_hash.get(key)
         if old is not None:  # the same prefix computed twice, or a collision: the older block loses the key
-            del self.meta[old]
+            self._unfile(old)
             if self.cached.pop(old, "held") is None:
                 self.free.move_to_end(old, last=False)  # nobody holds it and nothing names it: reused first
         self.by_hash[key] = block
         self.meta[block] = (key, parent, tokens, salt)
+        self._file(block, parent, salt)
         self.counters["registered"] += 1
         return key
 
@@ -286,7 +321,70 @@ class BlockPool:
         c["query_tokens"] += len(tokens)
         c["hits"] += bool(found)
         c["hit_blocks"] += len(found)
+        c["hit_tokens"] += len(found) * bs
         return found
+
+    def register_partial(self, block: int, parent: int | None, tokens, salt: str | None = None) -> bool:
+        """Keep the held ``block``, which holds ``tokens`` (fewer than a block) after the block keyed
+        ``parent``, as a partial prefix once its table lets it go.  Entries under the same parent and
+        salt whose tokens start the new ones give way to it; one whose tokens the new ones start
+        makes it redundant (nothing is kept).  Returns whether it is kept."""
+        tokens = tuple(tokens)
+        if not 0 < len(tokens) < self.block_size or self.ref[block] != 1 or block in self.meta:
+            raise InvalidRequestError(f"block {block}: only a block held once, not registered, with 1 to "
+                                      f"{self.block_size - 1} tokens can be kept as a partial prefix (got "
+                                      f"{len(tokens)} tokens, {self.ref[block]} references)")
+        if not self.cache_blocks or block in self.partial:
+            return False
+        for other in list(self.by_parent.get((parent, salt), ())):
+            have = self._tokens(other)
+            if have[: len(tokens)] == tokens:
+                return False  # as much is kept already
+            if other in self.partial and tokens[: len(have)] == have:
+                self._unfile(other)  # the new block holds all of it and more
+                if self.cached.pop(other, "held") is None:
+                    self.free.move_to_end(other, last=False)  # nobody holds it and nothing names it: reused first
+        self.partial[block] = (parent, tokens, salt)
+        self._file(block, parent, salt)
+        self.counters["registered"] += 1
+        return True
+
+    def lookup_partial(self, parent: int | None, tokens, salt: str | None = None) -> tuple[int | None, int]:
+        """The block kept after the block keyed ``parent`` (partial, or registered) that shares the
+        longest start with ``tokens`` (the prompt's tokens after that block, as many as may be reused;
+        fewer than a block), and how many tokens it shares: ``(None, 0)`` when none shares one.  The match is made on the block's own
+        tokens, parent and salt.  Takes no reference."""
+        best, most = None, 0
+        tokens = tuple(tokens[: self.block_size - 1])
+        for b in self.by_parent.get((parent, salt), ()):
+            n = _common(self._tokens(b), tokens)
+            if n > most:
+                best, most = b, n
+        return best, most
+
+    def _tokens(self, b: int) -> tuple:
+        return self.partial[b][1] if b in self.partial else self.meta[b][2]
+
+    def adopt(self, slot: int, block: int) -> None:
+        """``slot``'s table, which holds a cached prefix of whole blocks, goes on with the kept partial
+        ``block`` (nobody holds it): the row owns it now, and writes past its tokens."""
+        if block not in self.partial or self.ref[block]:
+            raise InvalidRequestError(f"block {block} is not a kept partial block nobody holds: copy it instead")
+        n = int(self.held[slot])
+        if n >= self.tables.shape[1]:
+            raise InvalidRequestError(f"slot {slot}'s table is full: it cannot adopt block {block}")
+        self._unfile(block)
+        self._acquire([block])
+        self.tables[slot, n] = block
+        self.held[slot] = n + 1
+
+    def count_partial(self, tokens: int, *, full_hit: bool) -> None:
+        """The last counted lookup's partial hit reused ``tokens`` tokens more (``full_hit``: that
+        lookup found whole blocks too, and counted as a hit already)."""
+        c = self.counters
+        c["partial_hits"] += 1
+        c["hit_tokens"] += tokens
+        c["hits"] += not full_hit
 
     def key_of(self, block: int) -> int:
         """The key a registered ``block`` is cached under: the ``parent`` of the block after it."""
@@ -303,6 +401,12 @@ class BlockPool:
         new = {b: RESERVED + i for i, b in enumerate(old)}
         self.meta = {new[b]: m for b, m in self.meta.items()}
         self.by_hash = {m[0]: b for b, m in self.meta.items()}
+        self.partial = {new[b]: m for b, m in self.partial.items()}
+        self.by_parent = {}
+        for b, (parent, _, salt) in self.partial.items():
+            self._file(b, parent, salt)
+        for b, (_, parent, _, salt) in self.meta.items():
+            self._file(b, parent, salt)
         self.cached = OrderedDict.fromkeys(range(RESERVED, RESERVED + len(old)))
         self.free = OrderedDict.fromkeys(range(RESERVED + len(old), self.num_blocks))
         self.free.update(self.cached)
@@ -310,4 +414,15 @@ class BlockPool:
 
     def stats(self) -> dict:
         return {**self.counters, "blocks": self.num_blocks - RESERVED, "used": self.num_used, "free": self.num_free,
-                "cached": len(self.cached), "registered_blocks": len(self.meta), "block_size": self.block_size}
+                "cached": len(self.cached), "registered_blocks": len(self.meta), "partial_blocks": len(self.partial),
+                "block_size": self.block_size}
+
+
+def _common(a, b) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -108,26 +108,68 @@ class SlotTable:
             return []
         return self.pool.lookup(feed, salt, limit=len(feed) - 1, count=count)
 
+    def _plan(self, tokens: int, feed, salt, *, count: bool = False):
+        """What an item of ``tokens`` tokens that prefills ``feed`` reuses: ``(hits, block, n, adopt,
+        need)``, its cached whole blocks, then a kept partial block sharing ``n`` more tokens (None,
+        0: none) that it adopts or copies, and the free blocks admitting it takes."""
+        pool = self.pool
+        hits = self.cached_prefix(feed, salt, count=count)
+        need = max(0, pool.blocks_for(tokens) - len(hits)) + sum(1 for b in hits if pool.ref[b] == 0)
+        start = len(hits) * self.block_size
+        block, n = (None, 0)
+        if self.caching and len(feed) - 1 > start and len(hits) < self.max_blocks:
+            block, n = pool.lookup_partial(pool.key_of(hits[-1]) if hits else None, feed[start:len(feed) - 1], salt)
+        adopt = block in pool.partial and n == len(pool.partial[block][1]) and not pool.ref[block]
+        source = int(block is not None and not adopt and not pool.ref[block])  # a free block held while copied
+        if source and not pool.can_allocate(need + 1):
+            block, n, source = None, 0, 0  # no room for the copy and its source at once: recompute them
+        if count and block is not None:
+            pool.count_partial(n, full_hit=bool(hits))
+        return hits, block, n, adopt, need + source
+
     def can_admit(self, tokens: int, feed=(), salt=None) -> bool:
         """Whether the free blocks (cached ones included) hold an item of ``tokens`` tokens now that
         prefills ``feed``: its cached prefix is shared, and what it takes of the free blocks is new
         blocks and the cached ones nobody held."""
-        pool = self.pool
-        hits = self.cached_prefix(feed, salt)
-        idle_hits = sum(1 for b in hits if pool.ref[b] == 0)
-        return pool.can_allocate(max(0, pool.blocks_for(tokens) - len(hits)) + idle_hits)
+        return self.pool.can_allocate(self._plan(tokens, feed, salt)[4])
 
     def admit(self, slot: int, tokens: int, feed=(), salt=None) -> int:
         """``slot`` takes a new item holding ``tokens`` tokens (what it prefills): the longest cached
-        prefix of ``feed`` shared into its table, the other blocks taken, its prompt last in the
-        prefill queue.  Returns the tokens the shared prefix holds (the slot's length now)."""
-        hits = self.cached_prefix(feed, salt, count=True)
-        self.pool.share(slot, hits)  # before allocating, which could evict them
-        self.chains[slot] = [self.pool.key_of(b) for b in hits]
-        self.pool.grow(slot, tokens)
-        self.lengths[slot] = len(hits) * self.block_size
+        prefix of ``feed`` shared into its table, then a kept partial block that goes on with it
+        adopted (when ``feed`` goes on past all of its tokens) or copied into a block of the slot's
+        own, the other blocks taken, its prompt last in the prefill queue.  Returns the tokens reused
+        (the slot's length now)."""
+        pool = self.pool
+        hits, block, n, adopt, _ = self._plan(tokens, feed, salt, count=True)
+        pool.share(slot, hits)  # before allocating, which could evict them
+        self.chains[slot] = [pool.key_of(b) for b in hits]
+        if adopt:
+            pool.adopt(slot, block)
+        elif block is not None:
+            pool.hold(block)  # kept from the allocation below while its copy is taken
+        pool.grow(slot, tokens)
+        if block is not None and not adopt:
+            self._copy(block, int(pool.tables[slot, len(hits)]))
+            pool.let_go(block)
+        self.lengths[slot] = len(hits) * self.block_size + n
         self.new_batch_idx[slot] = int(np.count_nonzero(self.new_batch_idx >= 0))
         return int(self.lengths[slot])
+
+    def _copy(self, src: int, dst: int):
+        """Block ``dst`` gets the K/V block ``src`` holds, in every layer (the positions past what is
+        reused are the row's own to overwrite)."""
+        self.cover()
+        bs = self.block_size
+        index = write_index(mx.full((1, bs), dst, dtype=mx.int32), mx.arange(bs, dtype=mx.int32)[None],
+                            kv_heads=self.kv_heads, block_size=bs, head_dim=self.head_dim, num_blocks=self.num_blocks)
+        source = mx.array([src], dtype=mx.int32)
+        # read out first: a write whose value still reads the pool array cannot write it in place, and
+        # would copy the whole array, every layer
+        blocks = [[mx.take(a, source, axis=0) for a in kv] for kv in (self.keys, self.values)]
+        mx.eval(blocks)
+        for kv, got in zip((self.keys, self.values), blocks):
+            for layer, block in enumerate(got):
+                kv[layer] = scatter(kv[layer], index, block)
 
     def register(self, slot: int, tokens, salt=None):
         """The full blocks of ``tokens`` (what ``slot`` holds from position 0, K/V written or issued)
@@ -138,6 +180,19 @@ class SlotTable:
         for j in range(len(chain), min(len(tokens) // bs, int(self.pool.held[slot]))):
             chain.append(self.pool.register(int(self.pool.tables[slot, j]), chain[-1] if chain else None,
                                             tokens[j * bs:(j + 1) * bs], salt))
+
+    def keep(self, slot: int, tokens, salt=None):
+        """``slot`` is about to let go of ``tokens``' K/V: its full blocks become cached prefixes
+        (:meth:`register`), and its last, partial block is kept too, after them."""
+        if not self.caching:
+            return
+        self.register(slot, tokens, salt)
+        chain, bs, pool = self.chains[slot], self.block_size, self.pool
+        j = len(tokens) // bs
+        if len(tokens) % bs and len(chain) == j < int(pool.held[slot]):
+            block = int(pool.tables[slot, j])
+            if pool.ref[block] == 1 and block not in pool.meta:
+                pool.register_partial(block, chain[-1] if chain else None, tokens[j * bs:], salt)
 
     def blocks_missing(self, slots, tokens) -> int:
         """How many blocks more than the free ones ``slots`` need to hold their ``tokens`` (0: they fit)."""
@@ -258,9 +313,9 @@ class SlotTable:
         if not self.caching:
             return None
         p, c = self.pool, self.pool.counters
-        query, hit = c["query_tokens"], c["hit_blocks"] * self.block_size
+        query, hit = c["query_tokens"], c["hit_tokens"]
         return {"queries": c["queries"], "hits": c["hits"], "query_tokens": query, "hit_tokens": hit,
-                "hit_rate": hit / query if query else 0.0, "inserted_blocks": c["registered"],
+                "hit_rate": hit / query if query else 0.0, "inserted_blocks": c["registered"], "partial_hits": c["partial_hits"],
                 "evictions": c["evicted"], "blocks": len(p.cached), "bytes": len(p.cached) * self.block_nbytes,
                 "shared_blocks": len(p.meta) - len(p.cached), "budget_bytes": self.cache_budget_bytes,
                 "block_size": self.block_size}

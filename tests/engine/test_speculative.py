@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import slotinfer.engine.engine
+import slotinfer.engine.speculation
 from slotinfer.engine.engine import Engine
 from slotinfer.kv import KV_BLOCK_SIZE, block_bytes
 from slotinfer.spec import CostModel, Drafter, ForcedTokens
@@ -223,9 +223,9 @@ def test_an_acceptance_check_that_lies_breaks_exactness(models, monkeypatch):
     truth = [(m.encode_prompt(ids), w.tokens) for (_, ids, _), w in zip(reqs, want)]
     honest = spec_engine(m, truth, p=0.3, k=4, seed=1, slots=3, max_len=64)
     assert [h.result(0).tokens for h in feed(honest, reqs)] == [w.tokens for w in want]
-    real = slotinfer.engine.engine.accepted
-    monkeypatch.setattr(slotinfer.engine.engine, "accepted", lambda sampled, drafts: min(len(drafts),
-                                                                                  real(sampled, drafts) + 1))
+    real = slotinfer.engine.speculation.accepted
+    monkeypatch.setattr(slotinfer.engine.speculation, "accepted", lambda sampled, drafts: min(len(drafts),
+                                                                                       real(sampled, drafts) + 1))
     lying = spec_engine(m, truth, p=0.3, k=4, seed=1, slots=3, max_len=64)
     assert [h.result(0).tokens for h in feed(lying, reqs)] != [w.tokens for w in want]
 

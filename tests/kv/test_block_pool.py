@@ -75,12 +75,26 @@ class PoolMachine(RuleBasedStateMachine):
                 assert self.content[b] == tuple(prompt[j * self.bs:(j + 1) * self.bs])
             p.share(slot, hit)
             event("a cached prefix shared" if hit else "no cached prefix")
+        start = len(hit) * self.bs
+        if cached and len(prompt) - 1 > start and len(hit) < p.tables.shape[1]:
+            parent = p.key_of(hit[-1]) if hit else None
+            b, n = p.lookup_partial(parent, prompt[start:len(prompt) - 1], salt)
+            if b is not None:  # a partial hit is always the right tokens, after the right parent, of the salt
+                assert self.content[b][:n] == tuple(prompt[start:start + n]) and n >= 1
+                of, have, salt_of = p.partial[b] if b in p.partial else p.meta[b][1:]
+                assert of == parent and salt_of == salt and have[:n] == tuple(prompt[start:start + n])
+                if b in p.partial and n == len(have):
+                    p.adopt(slot, b)
+                    start += n
+                    event("a partial block adopted")
+                else:
+                    event("a partial block to copy")
         self.tokens[slot] = (list(prompt), salt)
         if not self._grow(slot, len(prompt)):
             p.release_slot(slot)
             del self.tokens[slot]
             return
-        self._write(slot, len(hit) * self.bs)
+        self._write(slot, start)
 
     @rule(slot=slots, more=tokens)
     def extend(self, slot, more):
@@ -94,18 +108,30 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(slot=slots)
     def register(self, slot):
-        if slot not in self.tokens:
-            return
+        if slot in self.tokens:
+            self._register(slot)
+
+    def _register(self, slot):
+        """Register ``slot``'s full blocks; returns the last one's key (None: none)."""
         toks, salt = self.tokens[slot]
         parent = None
         for j in range(len(toks) // self.bs):
             parent = self.pool.register(int(self.pool.tables[slot, j]), parent,
                                         toks[j * self.bs:(j + 1) * self.bs], salt)
+        return parent
 
-    @rule(slot=slots)
-    def release(self, slot):
+    @rule(slot=slots, keep=st.booleans())
+    def release(self, slot, keep):
+        """The slot lets go; ``keep``: its full blocks registered and its last, partial one kept first."""
         if slot not in self.tokens:
             return
+        p, toks, salt = self.pool, *self.tokens[slot]
+        j = len(toks) // self.bs
+        if keep and len(toks) % self.bs:
+            parent = self._register(slot)
+            block = int(p.tables[slot, j])
+            if p.register_partial(block, parent, toks[j * self.bs:], salt):
+                event("a partial block kept")
         self.pool.release_slot(slot)
         del self.tokens[slot]
 
@@ -116,7 +142,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         old = self.pool.compact()
         self.content = {RESERVED + i: self.content[b] for i, b in enumerate(old)}
-        assert sorted(self.pool.meta) == list(range(RESERVED, RESERVED + len(old)))
+        assert sorted([*self.pool.meta, *self.pool.partial]) == list(range(RESERVED, RESERVED + len(old)))
         event("compacted")
 
     @invariant()
@@ -124,8 +150,11 @@ class PoolMachine(RuleBasedStateMachine):
         if not hasattr(self, "pool"):
             return
         p = self.pool
-        assert len(p.cached) <= p.cache_blocks and set(p.cached) <= set(p.meta)
-        assert all(p.ref[b] == 0 for b in p.cached) and all(p.ref[b] > 0 for b in set(p.meta) - set(p.cached))
+        kept = set(p.meta) | set(p.partial)
+        assert len(p.cached) <= p.cache_blocks and set(p.cached) <= kept and not set(p.meta) & set(p.partial)
+        assert all(p.ref[b] == 0 for b in p.cached) and all(p.ref[b] > 0 for b in kept - set(p.cached))
+        parents = {(m[0], m[2]) for m in p.partial.values()} | {(m[1], m[3]) for m in p.meta.values()}
+        assert parents == set(p.by_parent) and {b for group in p.by_parent.values() for b in group} == kept
         if p.cached:
             assert list(p.free)[-len(p.cached):] == list(p.cached)
         assert {p.by_hash[m[0]] for m in p.meta.values()} == set(p.meta)

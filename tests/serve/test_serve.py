@@ -395,7 +395,7 @@ def test_cached_tokens_are_reported_and_exported(client, server, model):
                                            max_tokens=3, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     hit = again.usage.prompt_tokens_details.cached_tokens
-    assert hit >= 128 and hit % 128 == 0 and hit < again.usage.prompt_tokens
+    assert 128 <= hit < again.usage.prompt_tokens  # the system prompt and the start of the user's turn
     chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= hit
