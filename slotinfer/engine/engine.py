@@ -168,6 +168,8 @@ class Engine:
                                               bandwidth_rows=bandwidth_rows)) if speculative else None
         self.verifier = Verifier(model.net, self.table, slots * (draft_tokens + 1)) if speculative else None
         self.items = ItemProcessor(self.table)
+        if speculative:
+            self.items.on_leave = self._leave_draft
         self.rows = RowParams(slots, model.config.vocab_size)
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token
@@ -360,6 +362,20 @@ class Engine:
         have = len(row.tokens) - len(item.prompt)
         if len(item.tokens) > have:
             self.drafter.append(row, item.tokens[have:])
+
+    def _leave_draft(self, item: Item, ended: bool):
+        """``item`` ended, or was preempted: its drafting row takes the tokens it had left to take
+        (the suffix pool learns them), ends, and is dropped.  A preempted item's row is rebuilt from
+        its prompt and tokens when it decodes again; its gate then learns afresh from shadow drafts."""
+        row, item.draft = item.draft, None
+        if row is None:
+            return
+        have = len(row.tokens) - len(item.prompt)
+        if not ended:
+            self.drafter.withdraw(row)  # a draft given this step is not verified: it left its slot first
+        if len(item.tokens) > have:
+            self.drafter.append(row, item.tokens[have:])
+        self.drafter.finish(row)
 
     def _drafts(self, firsts) -> dict:
         """This step's drafts, ``{id(item): [tokens]}``: only rows whose tokens are all on the host,
