@@ -33,6 +33,7 @@ import slotinfer  # noqa: E402,F401  before MLX: slotinfer swaps in its BLAS
 import mlx.core as mx  # noqa: E402
 from slotinfer import default_model  # noqa: E402
 from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, Engine  # noqa: E402
+from slotinfer.engine.decoder import row_bucket  # noqa: E402
 from slotinfer.spec import CostModel, Drafter  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,6 +64,32 @@ def calibrate(model, repeats=30, context=256):
     base = times[1]
     cs = {n: (times[n] / base - 1) / (n - 1) for n in times if n > 1}
     return times, cs
+
+
+def calibrate_rows(model, live=4, most=16, repeats=20, context=256):
+    """A step of ``live`` slots at ``context`` tokens each verifying ``P - live`` drafted tokens in all
+    (handed out one per slot in turn), for ``P`` = ``live`` .. ``most``: ms, and cost against ``P = live``."""
+    eng = Engine(model, slots=live, max_len=context + 64, speculative="ngram", draft_tokens=8)
+    for s in range(live):
+        eng.add(eng.make_item(list(range(10 + s, 10 + s + context)), max_tokens=40, ignore_eos=True))
+    while len(eng.items.running()) < live:
+        eng.step()
+    for s in range(live):
+        eng.table.grow([s], [int(eng.table.lengths[s]) + most])
+    plans = {}
+    for total in range(live, most + 1):
+        ks = [(total - live) // live + (s < (total - live) % live) for s in range(live)]
+        plans[total] = [(s, [100 + i for i in range(k)]) for s, k in enumerate(ks)]
+        for _ in range(3):
+            mx.eval(eng.verifier.step(eng.tokens, plans[total], eng.gen, eng.rows)[0])
+    samples = {total: [] for total in plans}
+    for _ in range(repeats):  # rounds over every P in turn: load that comes and goes hits them alike
+        for total, groups in plans.items():
+            t = time.perf_counter()
+            mx.eval(eng.verifier.step(eng.tokens, groups, eng.gen, eng.rows)[0])
+            samples[total].append(time.perf_counter() - t)
+    times = {total: statistics.median(ts) for total, ts in samples.items()}
+    return times
 
 
 def load_sets(model, gen):
@@ -128,10 +155,20 @@ def main():
     ap.add_argument("--bandwidth-rows", type=int, default=BANDWIDTH_ROWS,
                     help="positions per step (rows and drafts) past which nobody drafts")
     ap.add_argument("--only", help="run the workloads whose name contains this")
+    ap.add_argument("--calibrate-rows", type=int, metavar="LIVE",
+                    help="the verify step's cost with LIVE slots and drafts shared among them, then stop")
     args = ap.parse_args()
     model, why = default_model.load()
     if model is None:
         sys.exit(f"the default model is not installed: {why}")
+    if args.calibrate_rows:
+        times = calibrate_rows(model, args.calibrate_rows)
+        base = times[args.calibrate_rows]
+        print(f"verify step, {args.calibrate_rows} slots at 256 tokens: positions, row bucket, ms, cost against "
+              f"{args.calibrate_rows} positions")
+        for n, t in times.items():
+            print(f"  {n:>2} {row_bucket(n, args.calibrate_rows * 9):>3} {t * 1e3:7.2f}  {t / base:.2f}")
+        return
     times, cs = calibrate(model)
     print("verify step, 1 slot at 256 tokens: rows, ms, c(n)")
     for n, t in times.items():
