@@ -155,6 +155,9 @@ def main():
     ap.add_argument("--bandwidth-rows", type=int, default=BANDWIDTH_ROWS,
                     help="positions per step (rows and drafts) past which nobody drafts")
     ap.add_argument("--only", help="run the workloads whose name contains this")
+    ap.add_argument("--skip-calibration", action="store_true", help="the workloads only")
+    ap.add_argument("--budgets", help="comma-separated positions-per-step budgets (bandwidth_rows) to run "
+                                      "side by side in each round, each against off")
     ap.add_argument("--calibrate-rows", type=int, metavar="LIVE",
                     help="the verify step's cost with LIVE slots and drafts shared among them, then stop")
     args = ap.parse_args()
@@ -169,7 +172,7 @@ def main():
         for n, t in times.items():
             print(f"  {n:>2} {row_bucket(n, args.calibrate_rows * 9):>3} {t * 1e3:7.2f}  {t / base:.2f}")
         return
-    times, cs = calibrate(model)
+    times, cs = calibrate(model) if not args.skip_calibration else ({}, {0: 0.0})
     print("verify step, 1 slot at 256 tokens: rows, ms, c(n)")
     for n, t in times.items():
         print(f"  {n:>2} {t * 1e3:7.2f}  {cs.get(n, 0.0):.3f}")
@@ -181,6 +184,7 @@ def main():
           f"position_cost {args.position_cost}, bandwidth_rows {args.bandwidth_rows}")
     print(f"{'workload':<28} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} {'accept':>6} {'tok/pass':>8} "
           f"{'steps off/on':>12}")
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [args.bandwidth_rows]
     for name, (slots, reqs) in sets.items():
         if args.only and args.only not in name:
             continue
@@ -188,30 +192,32 @@ def main():
         engines = {m: Engine(model, slots=slots, max_len=max_len, prefill_tokens=512,
                              speculative="ngram" if m else None, draft_tokens=args.draft_tokens,
                              position_cost=args.position_cost) for m in (False, True)}
-        ratios, rates, stats = [], {False: [], True: []}, None
-        steps = {}
+        modes = [0, *budgets]  # 0: off; else on, with that many positions a step at most
+        ratios = {b: [] for b in budgets}
+        rates = {m: [] for m in modes}
+        steps, stats = {}, {}
         for r in range(args.rounds + 1):
             got = {}
-            for m in ((True, False) if r % 2 else (False, True)):
-                rate, outs, c = run(engines[m], reqs, args.draft_tokens, args.position_cost,
-                                    args.bandwidth_rows)
+            for m in modes[r % len(modes):] + modes[:r % len(modes)]:  # each round starts one further on
+                rate, outs, c = run(engines[m > 0], reqs, args.draft_tokens, args.position_cost, m or 1)
                 got[m] = (rate, outs)
-                steps[m] = c["steps"]
-                if m:
-                    stats = c
-            if got[True][1] != got[False][1]:
+                steps[m], stats[m] = c["steps"], c
+            if any(got[m][1] != got[0][1] for m in budgets):
                 sys.exit(f"{name}: outputs differ with speculation on")
             if r == 0:
                 continue  # warm-up: compiled steps
-            rates[False].append(got[False][0])
-            rates[True].append(got[True][0])
-            ratios.append(got[True][0] / got[False][0])
-        acc = stats["spec_accepted"] / stats["spec_drafted"] if stats["spec_drafted"] else 0.0
-        per = (stats["spec_accepted"] + stats["spec_passes"]) / stats["spec_passes"] if stats["spec_passes"] else 1.0
-        print(f"{name:<28} {statistics.median(rates[False]):9.1f} {statistics.median(rates[True]):9.1f} "
-              f"{statistics.median(ratios):6.2f} {acc:6.2f} {per:8.2f} {steps[False]:>5}/{steps[True]:<6} "
-              f"ratios {', '.join(f'{x:.2f}' for x in ratios)}", flush=True)
-
+            for m in modes:
+                rates[m].append(got[m][0])
+            for b in budgets:
+                ratios[b].append(got[b][0] / got[0][0])
+        for b in budgets:
+            st = stats[b]
+            acc = st["spec_accepted"] / st["spec_drafted"] if st["spec_drafted"] else 0.0
+            per = (st["spec_accepted"] + st["spec_passes"]) / st["spec_passes"] if st["spec_passes"] else 1.0
+            label = name if len(budgets) == 1 else f"{name}, budget {b}"
+            print(f"{label:<28} {statistics.median(rates[0]):9.1f} {statistics.median(rates[b]):9.1f} "
+                  f"{statistics.median(ratios[b]):6.2f} {acc:6.2f} {per:8.2f} {steps[0]:>5}/{steps[b]:<6} "
+                  f"ratios {', '.join(f'{x:.2f}' for x in ratios[b])}", flush=True)
 
 if __name__ == "__main__":
     main()
