@@ -3,6 +3,8 @@ with speculation on against off, side by side.
 
     python benchmarks/bench_spec.py                 # calibration, then the workloads
     python benchmarks/bench_spec.py --calibrate     # the verify step's cost only
+    python benchmarks/bench_spec.py --calibrate-rows 4                  # ... with 4 slots sharing the drafts
+    python benchmarks/bench_spec.py --skip-calibration --only "4 rows" --budgets 4,8,12,16
 
 **Calibration.**  One slot at a context of 256 tokens verifies ``n - 1`` drafted tokens (``n`` rows
 as positions) for ``n`` = 1..16; ``c(n) = (t(n) / t(1) - 1) / (n - 1)`` is an extra verified
@@ -13,9 +15,10 @@ single stream on copy-heavy prompts, 4 live rows on copy-heavy prompts, 32 live 
 copy-heavy prompts, single stream on prompts with nothing to copy, and single-stream JSON rewrites
 constrained by their documents' shape.  Each workload keeps one engine per mode (its compiled
 steps warmed by a first round that is not counted) and a fresh drafter each run (the suffix pool
-would otherwise draft from the previous round's identical output).  Rounds alternate the order
-(on/off, off/on); the figure is the median over rounds of each round's on/off ratio, as the
-machine is shared.  Every run's outputs are checked equal between the modes.
+would otherwise draft from the previous round's identical output).  Each round runs every mode
+(off, then on with each ``--budgets`` entry as the most positions a step verifies), starting one
+mode further on than the round before; the figure is the median over rounds of each round's
+on/off ratio, as the machine is shared.  Every run's outputs are checked equal between the modes.
 """
 
 from __future__ import annotations
