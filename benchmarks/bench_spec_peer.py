@@ -12,7 +12,7 @@ bench_spec.py), and llama-server without speculation and with ``--spec-type ngra
 prompt-lookup drafter, which keeps no state between requests) at its defaults and at a lookup
 of 3 tokens drafting 8.  Each llama-server runs with 2 threads and 1 slot, started once.  Rounds
 take the modes in turn, each round starting one mode further on; figures are medians over the
-counted rounds (one uncounted round first).  Decode tokens/s: slotinfer's tokens after the first
+counted rounds (one uncounted round of one prompt first).  Decode tokens/s: slotinfer's tokens after the first
 over its decode time (``metrics["decode_tokens_per_s"]``), llama-server's ``timings.predicted_n``
 over ``timings.predicted_ms``.
 """
@@ -20,6 +20,7 @@ over ``timings.predicted_ms``.
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import subprocess
 import sys
@@ -94,6 +95,7 @@ def main():
     if model is None:
         sys.exit(f"the default model is not installed: {why}")
     sets = load_sets(model, args.gen)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers go too
     copy = sets["copy, 1 stream" if args.all_copy else "copy, 4 rows"][1]  # 2 of each kind, or 1
     sets = {"copy-heavy": copy, "nothing to copy": sets["open, 1 stream"][1]}
     servers = {name: (args.port + i, start_server(args.llama_bin, str(gguf), args.port + i, extra))
@@ -107,13 +109,14 @@ def main():
             rates = {m: [] for m in modes}
             outs, counts = {}, {}
             for r in range(args.rounds + 1):
+                batch = reqs if r else reqs[:1]  # the uncounted round compiles slotinfer's steps: one prompt does
                 for m in modes[r % len(modes):] + modes[:r % len(modes)]:
                     if m.startswith("slotinfer"):
-                        rate, o, c = run(engines[m == "slotinfer ngram"], reqs, args.draft_tokens, POSITION_COST,
+                        rate, o, c = run(engines[m == "slotinfer ngram"], batch, args.draft_tokens, POSITION_COST,
                                          BANDWIDTH_ROWS)
                         c = dict(drafted=c["spec_drafted"], accepted=c["spec_accepted"])
                     else:
-                        rate, o, c = llama_run(servers[m][0], reqs, args.gen)
+                        rate, o, c = llama_run(servers[m][0], batch, args.gen)
                     outs[m], counts[m] = o, c
                     if r:
                         rates[m].append(rate)
@@ -122,7 +125,7 @@ def main():
                 return sum(x == y for x, y in zip(outs[a], outs[b]))
 
             print(f"\n{set_name}: {len(reqs)} prompts, 1 stream, greedy, gen {args.gen}, {args.rounds} rounds "
-                  f"(+1 uncounted)")
+                  f"(+1 uncounted of 1 prompt)")
             print(f"  {'mode':<26} {'tok/s':>7} {'vs own off':>10} {'drafted':>8} {'accepted':>8}  rounds")
             for m in modes:
                 own = "slotinfer off" if m.startswith("slotinfer") else "llama off"
