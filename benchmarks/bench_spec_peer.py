@@ -45,8 +45,8 @@ LLAMA_MODES = {
 }
 
 
-def start_server(binary: Path, gguf: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [str(binary / "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+def start_server(binary: Path, gguf: str, port: int, extra: list[str], threads: int = 2) -> subprocess.Popen:
+    cmd = [str(binary / "llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-np", "1", "-c", "4096", "--no-webui", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for _ in range(600):
@@ -88,6 +88,8 @@ def main():
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--draft-tokens", type=int, default=8)
     ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument("--llama-threads", type=int, default=2, help="llama-server's -t")
+    ap.add_argument("--only", help="the prompt set whose name contains this")
     ap.add_argument("--all-copy", action="store_true", help="2 copy-heavy prompts of each kind (default: 1)")
     args = ap.parse_args()
     gguf = default_model.path()
@@ -98,10 +100,13 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))  # the servers go too
     copy = sets["copy, 1 stream" if args.all_copy else "copy, 4 rows"][1]  # 2 of each kind, or 1
     sets = {"copy-heavy": copy, "nothing to copy": sets["open, 1 stream"][1]}
-    servers = {name: (args.port + i, start_server(args.llama_bin, str(gguf), args.port + i, extra))
+    servers = {name: (args.port + i, start_server(args.llama_bin, str(gguf), args.port + i, extra,
+                                                      args.llama_threads))
                for i, (name, extra) in enumerate(LLAMA_MODES.items())}
     try:
         for set_name, reqs in sets.items():
+            if args.only and args.only not in set_name:
+                continue
             max_len = max(len(ids) for ids, _ in reqs) + args.gen + 8
             engines = {m: Engine(model, slots=1, max_len=max_len, speculative="ngram" if m else None,
                                  draft_tokens=args.draft_tokens) for m in (False, True)}
