@@ -3,6 +3,8 @@ with speculation on against off, side by side.
 
     python benchmarks/bench_spec.py                 # calibration, then the workloads
     python benchmarks/bench_spec.py --calibrate     # the verify step's cost only
+    python benchmarks/bench_spec.py --calibrate-rows 4                  # ... with 4 slots sharing the drafts
+    python benchmarks/bench_spec.py --skip-calibration --only "4 rows" --budgets 4,8,12,16
 
 **Calibration.**  One slot at a context of 256 tokens verifies ``n - 1`` drafted tokens (``n`` rows
 as positions) for ``n`` = 1..16; ``c(n) = (t(n) / t(1) - 1) / (n - 1)`` is an extra verified
@@ -13,9 +15,10 @@ single stream on copy-heavy prompts, 4 live rows on copy-heavy prompts, 32 live 
 copy-heavy prompts, single stream on prompts with nothing to copy, and single-stream JSON rewrites
 constrained by their documents' shape.  Each workload keeps one engine per mode (its compiled
 steps warmed by a first round that is not counted) and a fresh drafter each run (the suffix pool
-would otherwise draft from the previous round's identical output).  Rounds alternate the order
-(on/off, off/on); the figure is the median over rounds of each round's on/off ratio, as the
-machine is shared.  Every run's outputs are checked equal between the modes.
+would otherwise draft from the previous round's identical output).  Each round runs every mode
+(off, then on with each ``--budgets`` entry as the most positions a step verifies), starting one
+mode further on than the round before; the figure is the median over rounds of each round's
+on/off ratio, as the machine is shared.  Every run's outputs are checked equal between the modes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import slotinfer  # noqa: E402,F401  before MLX: slotinfer swaps in its BLAS
 import mlx.core as mx  # noqa: E402
 from slotinfer import default_model  # noqa: E402
 from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, Engine  # noqa: E402
+from slotinfer.engine.decoder import row_bucket  # noqa: E402
 from slotinfer.spec import CostModel, Drafter  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,6 +67,32 @@ def calibrate(model, repeats=30, context=256):
     base = times[1]
     cs = {n: (times[n] / base - 1) / (n - 1) for n in times if n > 1}
     return times, cs
+
+
+def calibrate_rows(model, live=4, most=16, repeats=20, context=256):
+    """A step of ``live`` slots at ``context`` tokens each verifying ``P - live`` drafted tokens in all
+    (handed out one per slot in turn), for ``P`` = ``live`` .. ``most``: ms, and cost against ``P = live``."""
+    eng = Engine(model, slots=live, max_len=context + 64, speculative="ngram", draft_tokens=8)
+    for s in range(live):
+        eng.add(eng.make_item(list(range(10 + s, 10 + s + context)), max_tokens=40, ignore_eos=True))
+    while len(eng.items.running()) < live:
+        eng.step()
+    for s in range(live):
+        eng.table.grow([s], [int(eng.table.lengths[s]) + most])
+    plans = {}
+    for total in range(live, most + 1):
+        ks = [(total - live) // live + (s < (total - live) % live) for s in range(live)]
+        plans[total] = [(s, [100 + i for i in range(k)]) for s, k in enumerate(ks)]
+        for _ in range(3):
+            mx.eval(eng.verifier.step(eng.tokens, plans[total], eng.gen, eng.rows)[0])
+    samples = {total: [] for total in plans}
+    for _ in range(repeats):  # rounds over every P in turn: load that comes and goes hits them alike
+        for total, groups in plans.items():
+            t = time.perf_counter()
+            mx.eval(eng.verifier.step(eng.tokens, groups, eng.gen, eng.rows)[0])
+            samples[total].append(time.perf_counter() - t)
+    times = {total: statistics.median(ts) for total, ts in samples.items()}
+    return times
 
 
 def load_sets(model, gen):
@@ -128,11 +158,24 @@ def main():
     ap.add_argument("--bandwidth-rows", type=int, default=BANDWIDTH_ROWS,
                     help="positions per step (rows and drafts) past which nobody drafts")
     ap.add_argument("--only", help="run the workloads whose name contains this")
+    ap.add_argument("--skip-calibration", action="store_true", help="the workloads only")
+    ap.add_argument("--budgets", help="comma-separated positions-per-step budgets (bandwidth_rows) to run "
+                                      "side by side in each round, each against off")
+    ap.add_argument("--calibrate-rows", type=int, metavar="LIVE",
+                    help="the verify step's cost with LIVE slots and drafts shared among them, then stop")
     args = ap.parse_args()
     model, why = default_model.load()
     if model is None:
         sys.exit(f"the default model is not installed: {why}")
-    times, cs = calibrate(model)
+    if args.calibrate_rows:
+        times = calibrate_rows(model, args.calibrate_rows)
+        base = times[args.calibrate_rows]
+        print(f"verify step, {args.calibrate_rows} slots at 256 tokens: positions, row bucket, ms, cost against "
+              f"{args.calibrate_rows} positions")
+        for n, t in times.items():
+            print(f"  {n:>2} {row_bucket(n, args.calibrate_rows * 9):>3} {t * 1e3:7.2f}  {t / base:.2f}")
+        return
+    times, cs = calibrate(model) if not args.skip_calibration else ({}, {0: 0.0})
     print("verify step, 1 slot at 256 tokens: rows, ms, c(n)")
     for n, t in times.items():
         print(f"  {n:>2} {t * 1e3:7.2f}  {cs.get(n, 0.0):.3f}")
@@ -144,6 +187,7 @@ def main():
           f"position_cost {args.position_cost}, bandwidth_rows {args.bandwidth_rows}")
     print(f"{'workload':<28} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} {'accept':>6} {'tok/pass':>8} "
           f"{'steps off/on':>12}")
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [args.bandwidth_rows]
     for name, (slots, reqs) in sets.items():
         if args.only and args.only not in name:
             continue
@@ -151,30 +195,32 @@ def main():
         engines = {m: Engine(model, slots=slots, max_len=max_len, prefill_tokens=512,
                              speculative="ngram" if m else None, draft_tokens=args.draft_tokens,
                              position_cost=args.position_cost) for m in (False, True)}
-        ratios, rates, stats = [], {False: [], True: []}, None
-        steps = {}
+        modes = [0, *budgets]  # 0: off; else on, with that many positions a step at most
+        ratios = {b: [] for b in budgets}
+        rates = {m: [] for m in modes}
+        steps, stats = {}, {}
         for r in range(args.rounds + 1):
             got = {}
-            for m in ((True, False) if r % 2 else (False, True)):
-                rate, outs, c = run(engines[m], reqs, args.draft_tokens, args.position_cost,
-                                    args.bandwidth_rows)
+            for m in modes[r % len(modes):] + modes[:r % len(modes)]:  # each round starts one further on
+                rate, outs, c = run(engines[m > 0], reqs, args.draft_tokens, args.position_cost, m or 1)
                 got[m] = (rate, outs)
-                steps[m] = c["steps"]
-                if m:
-                    stats = c
-            if got[True][1] != got[False][1]:
+                steps[m], stats[m] = c["steps"], c
+            if any(got[m][1] != got[0][1] for m in budgets):
                 sys.exit(f"{name}: outputs differ with speculation on")
             if r == 0:
                 continue  # warm-up: compiled steps
-            rates[False].append(got[False][0])
-            rates[True].append(got[True][0])
-            ratios.append(got[True][0] / got[False][0])
-        acc = stats["spec_accepted"] / stats["spec_drafted"] if stats["spec_drafted"] else 0.0
-        per = (stats["spec_accepted"] + stats["spec_passes"]) / stats["spec_passes"] if stats["spec_passes"] else 1.0
-        print(f"{name:<28} {statistics.median(rates[False]):9.1f} {statistics.median(rates[True]):9.1f} "
-              f"{statistics.median(ratios):6.2f} {acc:6.2f} {per:8.2f} {steps[False]:>5}/{steps[True]:<6} "
-              f"ratios {', '.join(f'{x:.2f}' for x in ratios)}", flush=True)
-
+            for m in modes:
+                rates[m].append(got[m][0])
+            for b in budgets:
+                ratios[b].append(got[b][0] / got[0][0])
+        for b in budgets:
+            st = stats[b]
+            acc = st["spec_accepted"] / st["spec_drafted"] if st["spec_drafted"] else 0.0
+            per = (st["spec_accepted"] + st["spec_passes"]) / st["spec_passes"] if st["spec_passes"] else 1.0
+            label = name if len(budgets) == 1 else f"{name}, budget {b}"
+            print(f"{label:<28} {statistics.median(rates[0]):9.1f} {statistics.median(rates[b]):9.1f} "
+                  f"{statistics.median(ratios[b]):6.2f} {acc:6.2f} {per:8.2f} {steps[0]:>5}/{steps[b]:<6} "
+                  f"ratios {', '.join(f'{x:.2f}' for x in ratios[b])}", flush=True)
 
 if __name__ == "__main__":
     main()

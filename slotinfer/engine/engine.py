@@ -128,6 +128,8 @@ class Engine(SpeculativeSteps):
         self._speculate(speculative, draft_tokens=draft_tokens, position_cost=position_cost,
                         bandwidth_rows=bandwidth_rows)
         self.items = ItemProcessor(self.table)
+        if speculative:
+            self.items.on_leave = self._leave_draft
         self.rows = RowParams(slots, model.config.vocab_size)
         self.tokens = mx.zeros((slots,), dtype=mx.int32)  # each slot's latest token, on the device
         self.gen = np.zeros(slots, dtype=np.uint32)  # sampling step of each slot's next token

@@ -126,6 +126,10 @@ class ItemProcessor:
         # Cancellations arrive here (from any thread) instead of being found by scanning every
         # waiting item each step, which would cost a step O(queue) in an offline job of millions.
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
+        # Called with (item, ended) when an item leaves its slot for good (ended: finished, stopped,
+        # cancelled, failed) or for the queue (preempted): what the engine keeps per request beside
+        # the slot (a speculating row's drafting state) goes with it.
+        self.on_leave = None
 
     @property
     def busy(self) -> bool:
@@ -184,6 +188,8 @@ class ItemProcessor:
         item.issued = len(item.tokens)
         self.move(item, State.WAITING)
         self.waiting.appendleft(item)
+        if self.on_leave is not None:
+            self.on_leave(item, False)
 
     def _keep(self, item: Item):
         """``item`` leaves its slot: its prompt and what it generated stay in the prefix cache, as far
@@ -267,6 +273,8 @@ class ItemProcessor:
         self.move(item, State.FAILED if error is not None or reason == "error" else
                   State.CANCELLED if reason == "cancelled" else State.FINISHED)
         self.finished += 1
+        if self.on_leave is not None:
+            self.on_leave(item, True)
         if error is not None:
             item.handle._finish(error=error)
             return

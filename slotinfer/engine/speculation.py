@@ -92,6 +92,20 @@ class SpeculativeSteps:
         if len(item.tokens) > have:
             self.drafter.append(row, item.tokens[have:])
 
+    def _leave_draft(self, item: Item, ended: bool):
+        """``item`` ended, or was preempted: its drafting row takes the tokens it had left to take
+        (the suffix pool learns them), ends, and is dropped.  A preempted item's row is rebuilt from
+        its prompt and tokens when it decodes again; its gate then learns afresh from shadow drafts."""
+        row, item.draft = item.draft, None
+        if row is None:
+            return
+        have = len(row.tokens) - len(item.prompt)
+        if not ended:
+            self.drafter.withdraw(row)  # a draft given this step is not verified: it left its slot first
+        if len(item.tokens) > have:
+            self.drafter.append(row, item.tokens[have:])
+        self.drafter.finish(row)
+
     def _drafts(self, firsts) -> dict:
         """This step's drafts, ``{id(item): [tokens]}``: only rows whose tokens are all on the host,
         at most their tokens left less one and their table's room.  Rows with a token in flight are

@@ -191,6 +191,8 @@ def test_a_tight_pool_preempts_and_cancels_as_without_speculation(models, data, 
                          seed=seed, slots=slots, max_len=600, prefill_tokens=64,
                          kv_cache_bytes=(blocks + 2) * each, prefix_cache_bytes=0)
 
+    items = tracked(engine)
+
     def on_step(step, handles):
         for i, at in cancels.items():
             if at == step and i < len(handles) and handles[i] is not None:
@@ -199,9 +201,11 @@ def test_a_tight_pool_preempts_and_cancels_as_without_speculation(models, data, 
         for it in engine.items.by_slot:
             if it is not None:
                 assert pool.held[it.slot] <= -(-it.reserved // KV_BLOCK_SIZE)
+        assert all(it.draft is None for it in engine.items.waiting)  # preempted: its drafting state went
 
     handles = feed(engine, reqs, on_step=on_step)
     assert engine.items.finished == len(reqs)
+    assert all(it.draft is None for it in items)  # every way of ending frees the drafting state
     for i, (h, w) in enumerate(zip(handles, want)):
         c = h.result(0)
         streamed = [e.token for e in h]
@@ -212,6 +216,47 @@ def test_a_tight_pool_preempts_and_cancels_as_without_speculation(models, data, 
         else:
             assert c.tokens == w.tokens
     assert_pool_empty(engine)
+
+
+def tracked(engine) -> list:
+    """The items ``engine`` makes from now on, in order."""
+    items, make = [], engine.make_item
+
+    def make_item(*a, **kw):
+        items.append(make(*a, **kw))
+        return items[-1]
+
+    engine.make_item = make_item
+    return items
+
+
+def test_a_request_that_ends_gives_its_drafting_state_up(models):
+    """Ending by max_tokens, a stop string, cancellation or a failing callback, each request's
+    drafting row goes, after the suffix pool has learned every token it took: a request with the
+    same salt can then draft from the end of its output."""
+    m = models["llama"]
+    base = [17, 42, 99, 7, 31, 64, 5, 88]
+    reqs = [(0, base * 4, dict(max_tokens=24, ignore_eos=True, cache_salt="a")),
+            (0, base[::-1] * 3, dict(max_tokens=40, ignore_eos=True, cache_salt="b")),
+            (1, [3, 4] * 10, dict(max_tokens=30, ignore_eos=True, cache_salt="c")),
+            (2, [9, 10, 11] * 5, dict(max_tokens=30, ignore_eos=True, cache_salt="d"))]
+    text = m.generate(reqs[1][1], max_tokens=40, ignore_eos=True).text
+    reqs[1][2]["stop"] = [text[len(text) // 2:len(text) // 2 + 2]]
+
+    def fail(ev):
+        raise RuntimeError("a consumer's bug")
+
+    engine = Engine(m, slots=4, max_len=128, speculative="ngram", draft_tokens=4)
+    items = tracked(engine)
+    handles = feed(engine, reqs[:3] + [(2, reqs[3][1], dict(reqs[3][2], on_token=fail))],
+                   on_step=lambda step, hs: step == 5 and hs[2].cancel())
+    reasons = []
+    for it, h in zip(items, handles):
+        reasons.append("error" if h._future.exception(0) else h.result(0).finish_reason)
+        assert it.draft is None
+        seq = it.prompt + it.tokens
+        assert engine.drafter.pool.follow(seq[:-1], 1, it.salt) == seq[-1:]
+    assert reasons == ["length", "stop", "cancelled", "error"]
 
 
 def test_an_acceptance_check_that_lies_breaks_exactness(models, monkeypatch):
