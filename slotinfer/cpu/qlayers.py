@@ -14,8 +14,6 @@ import mlx.nn as nn
 
 from . import qkernel
 
-BLOCK = 32
-
 
 def _half(lo, hi):
     """float16 values from their two little-endian bytes, as float32."""

@@ -93,7 +93,7 @@ def parameters(model) -> dict:
 
 def dense_load(path):
     """The model as the CPU computes it in float32 (without the own kernels on Q8_0/Q4_0/Q4_1 blocks, nor
-    the other types repacked into them)."""
+    the other types requantized to Q8_0)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLOTINFER_QUANT_KERNELS", "0")
         return slotinfer.load(path)
