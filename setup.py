@@ -12,7 +12,7 @@ editing the C source in a checkout, rebuild it with
 `python setup.py build_ext --inplace`.
 
 2. The quantized-linear kernels (slotinfer/cpu/qkernel/): an MLX extension (a custom primitive,
-C++20, bound with nanobind) computing linear layers on GGUF Q4_0/Q4_1/Q8_0 blocks on CPU.  It
+C++20, bound with nanobind) computing linear layers on GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K/Q6_K blocks on CPU.  It
 is compiled against the mlx wheel and nanobind of the build environment (pyproject.toml's
 build-system requires both on Linux); the mlx version it was built against is compiled in, and
 slotinfer uses it only under that same version.  Optional too: where it cannot be built,

@@ -1,13 +1,12 @@
 """How K-quant GGUF weights kept compact agree with the dequantized ones: greedy tokens on the
 conformance prompts, and memory, for the GPU's requantized MLX affine layout and the CPU kernels'
-repacked blocks.
+blocks.
 
 SmolLM2-135M-Instruct's Q4_1 file is re-encoded as llama.cpp lays out Q6_K and Q4_K_M files (the test
 writer's ``requantize``), then each is run on this machine's CPU three ways: with the weights
 dequantized to float32 (the reference), with the weights the GPU policy keeps
 (``device.requantized_layout``) dequantized again so that only the weights differ, and on the CPU's
-own kernels with the blocks repacked at load (:mod:`slotinfer.cpu.repack`; Q4_K as Q4_1, the rest
-as Q8_0).
+own kernels with the blocks as stored (Q4_K, Q6_K, Q5_0, Q8_0; :mod:`slotinfer.cpu.qkernel`).
 
     python benchmarks/bench_gguf_requantized.py [--all-8-bit]
 """
@@ -72,11 +71,11 @@ def main():
         print(f"{name}: kept as {bits} bits, {kept:.0f} MiB; greedy tokens in agreement before the first "
               f"difference: {', '.join(agreement(greedy(model), want))}")
         if device.cpu_block_kernels():
-            cfg, weights, quant, meta, _ = gguf.read(path, blocks=True)
-            formats = sorted({q["format"] for q in quant.values()})
-            kept = sum(w.nbytes for w in weights.values()) / 2**20
             model = slotinfer.load(path)
-            print(f"{name}: repacked as {formats}, {kept:.0f} MiB ({path.stat().st_size / 2**20:.0f} MiB file); "
+            layers = [m for _, m in model.net.named_modules() if hasattr(m, "fmt")]
+            formats = sorted({m.fmt for m in layers})
+            kept = sum(m.weight.nbytes for m in layers) / 2**20
+            print(f"{name}: blocks {formats}, {kept:.0f} MiB ({path.stat().st_size / 2**20:.0f} MiB file); "
                   f"greedy tokens in agreement: {', '.join(agreement(greedy(model), want))}")
 
 

@@ -3,9 +3,9 @@
 CPU: float32 activations always.  MLX's CPU half-precision and quantized
 matmuls do not go through BLAS; f32 does, and with the optimized BLAS that
 :mod:`slotinfer.cpu.blas` loads it is the fast path for dense weights.  GGUF
-Q8_0/Q4_0/Q4_1 weights stay in their blocks for slotinfer's own kernels where
-those were built (:func:`cpu_block_kernels`), and the other GGUF types are
-repacked into those blocks at load; without the kernels they are dequantized.
+Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K weights stay in their blocks for slotinfer's own
+kernels where those were built (:func:`cpu_block_kernels`), and the other GGUF
+types are requantized to Q8_0 at load; without the kernels they are dequantized.
 GPU: weights stay as stored (float16 / bfloat16 / float32, quantized kept
 quantized) since the GPU kernels are built for them and memory is the limit.
 
@@ -157,9 +157,10 @@ def keep_quantized(device=None, override: bool | None = None) -> bool:
 
 
 def cpu_block_kernels(device=None) -> bool:
-    """Whether a GGUF's Q8_0/Q4_0/Q4_1 matrices stay in their blocks, computed by slotinfer's own
-    kernels (:mod:`slotinfer.cpu.qkernel`), and its other quantized matrices are repacked into such
-    blocks (:mod:`slotinfer.cpu.repack`), instead of being dequantized to float32 at load.
+    """Whether a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K matrices stay in their blocks, computed by
+    slotinfer's own kernels (:mod:`slotinfer.cpu.qkernel`), and its other quantized matrices are
+    requantized to Q8_0 blocks (:mod:`slotinfer.cpu.repack`), instead of being dequantized to float32
+    at load.
 
     CPU: yes where the kernels were built at install time.  Measured (docs/quantized-cpu.md): one
     SmolLM2-135M Q4_1 sequence decodes ~4x faster than in float32, 32 sequences at 1.0-1.1x,
@@ -260,7 +261,7 @@ def _quant_kernels_note(device) -> str:
     state = qkernel.status()
     if not settings.quant_kernels():
         return f"off (SLOTINFER_QUANT_KERNELS=0); {state}"
-    return ("on: GGUF Q8_0/Q4_0/Q4_1 weights stay quantized, other types repacked, " + state
+    return ("on: GGUF Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K weights stay quantized, other types as Q8_0, " + state
             if qkernel.load() is not None
             else f"off, GGUF weights are dequantized to float32: {state}")
 

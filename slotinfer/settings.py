@@ -35,7 +35,7 @@ def own_gemm() -> bool:
 
 
 def quant_kernels() -> bool:
-    """``SLOTINFER_QUANT_KERNELS=0``: on CPU, GGUF Q8_0/Q4_0/Q4_1 weights are dequantized to float32
+    """``SLOTINFER_QUANT_KERNELS=0``: on CPU, GGUF quantized weights are dequantized to float32
     at load instead of staying in their blocks for slotinfer's own kernels."""
     return _flag("SLOTINFER_QUANT_KERNELS")
 

@@ -258,7 +258,8 @@ def test_smollm2_greedy_inferencer(smol):
 @pytest.mark.parametrize("recipe", ["Q4_K_M", "Q6_K"])
 def test_smollm2_k_quants_match_transformers(smol, tmp_path, recipe):
     """The real model re-encoded as llama.cpp's Q4_K_M and Q6_K files lay it out (its rows of 576 fall
-    back to Q5_0/Q8_0), read by both: the same greedy tokens on every prompt."""
+    back to Q5_0/Q8_0), read by both: the same greedy tokens on every prompt, in float32 and on the CPU's
+    own kernels (which read the Q4_K, Q6_K and Q5_0 blocks as stored), alone and batched."""
     from transformers import AutoModelForCausalLM
 
     from gguf_fixtures import T, llama_cpp_q4_k_m, requantize
@@ -272,12 +273,15 @@ def test_smollm2_k_quants_match_transformers(smol, tmp_path, recipe):
 
     path = requantize(default_model.path(), tmp_path / f"smollm2-{recipe}.gguf", q4_k_m if recipe == "Q4_K_M" else q6_k)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
-    ours = slotinfer.load(path, dtype="float32")
+    want = []
     for ids in smol["ids"]:
         x = torch.tensor([ids])
         with torch.no_grad():
-            want = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=SMOL_NEW)
-        assert ours.generate(ids, max_tokens=SMOL_NEW).tokens == want[0, len(ids):].tolist()
+            out = ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=SMOL_NEW)
+        want.append(out[0, len(ids):].tolist())
+    for ours in (slotinfer.load(path, dtype="float32"), slotinfer.load(path)):  # float32; the device's policy
+        assert [ours.generate(ids, max_tokens=SMOL_NEW).tokens for ids in smol["ids"]] == want
+        assert [r.tokens for r in ours.batch_generate(smol["ids"], max_tokens=SMOL_NEW)] == want
 
 
 def test_smollm2_chat_answers_end_at_the_end_of_turn(smol):

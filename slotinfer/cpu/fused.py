@@ -13,7 +13,7 @@ It applies where the context offers it (``ctx.fused_rope_tables``: the engine's 
 the single-sequence reference's decode of one token, so that "alone" still equals "batched") and
 the block has what the primitives compute: no sandwich norms, no biases but q|k|v's, float32
 activations and K/V, every linear layer in blocks (Llama, SmolLM, Qwen 2 and 3 checkpoints in GGUF
-Q8_0/Q4_0/Q4_1, or repacked K-quants).  Elsewhere :func:`block` returns None and the block runs
+Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K, or other types requantized to Q8_0).  Elsewhere :func:`block` returns None and the block runs
 as MLX ops.
 """
 

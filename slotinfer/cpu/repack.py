@@ -1,45 +1,39 @@
-"""GGUF blocks the CPU's kernels do not read, repacked at load into blocks they do.
+"""GGUF blocks repacked at load for the CPU's kernels (:mod:`.qkernel`).
 
-The kernels (:mod:`.qkernel`) compute on Q8_0, Q4_0 and Q4_1 blocks of 32 values.  A file's other
-quantized matrices are repacked one tensor at a time, so they stay compact instead of becoming
-float32:
+The kernels read Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K blocks as the file stores them.  Two cases are
+repacked, one tensor at a time, so they stay compact instead of becoming float32:
 
-- **Q4_K -> Q4_1, value for value.**  A Q4_K super-block of 256 values is eight sub-blocks of 32,
-  each value ``d * sc * q - dmin * m`` with a 4-bit ``q``, 6-bit ``sc`` and ``m`` per sub-block and
-  float16 ``d`` and ``dmin`` per super-block.  A Q4_1 block is ``D * q + M`` over 32 values with
-  float16 ``D`` and ``M``: each sub-block becomes one Q4_1 block with the same ``q``,
-  ``D = d * sc`` and ``M = -dmin * m``, rounded to float16 (a relative 2**-11 of the sub-block's
-  scale and minimum, far below its 4-bit steps).  5 bits a weight against Q4_K's 4.5.
-- **Every other type -> Q8_0**, from ``gguf``'s float32 reading, by ``gguf``'s quantizer:
-  ``d = max|x| / 127`` per 32 values, ``q = round(x / d)``.  Its error, at most ``d / 2``, is below
-  the steps of the 6-bit and smaller types it holds.  8.5 bits a weight.
+- **Every other type -> Q8_0** (Q5_1, Q2_K, Q3_K, Q5_K, the I-quants), from ``gguf``'s float32 reading,
+  by ``gguf``'s quantizer: ``d = max|x| / 127`` per 32 values, ``q = round(x / d)``.  Its error, at
+  most ``d / 2``, is below the steps of the 6-bit and smaller types it holds.  8.5 bits a weight.
+- **Q4_0 and Q5_0 -> Q8_0, value for value** (:func:`widen`), where one of them shares a fused
+  projection with Q8_0 blocks (llama.cpp's Q4_K_M puts Q8_0 value projections beside Q5_0 queries and
+  keys in models whose rows are not whole K-quant super-blocks): ``d * (q - 8)`` and ``d * (q - 16)``
+  are Q8_0's ``d * q'`` with the same float16 ``d`` and ``q' = q - 8`` or ``q - 16``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-Q4_K = 12  # GGML type id
-Q4_K_BYTES = 144  # d, dmin (float16), 12 bytes of packed 6-bit scales and mins, 128 bytes of 4-bit values
+# the formats whose every weight a Q8_0 block holds exactly, and the offset of their q
+WIDENS = {"q4_0": 8, "q5_0": 16, "q8_0": 0}
 
 
-def q4_k_to_q4_1(raw: np.ndarray) -> np.ndarray:
-    """Q4_K blocks ``raw`` (``uint8 [rows, k / 256 * 144]``) as Q4_1 blocks ``uint8 [rows, k / 32 * 20]``."""
+def widen(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """Blocks ``raw`` (``uint8 [rows, k / 32 * bytes]``) in ``fmt`` (a key of :data:`WIDENS`) as Q8_0
+    blocks ``uint8 [rows, k / 32 * 34]`` of the same values."""
+    if fmt == "q8_0":
+        return raw
     rows = raw.shape[0]
-    b = raw.reshape(-1, Q4_K_BYTES)
-    d = b[:, 0:2].copy().view("<f2").astype(np.float32)  # [n, 1]
-    dmin = b[:, 2:4].copy().view("<f2").astype(np.float32)
-    s = b[:, 4:16]
-    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], axis=1)  # [n, 8]
-    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
-    scale = (d * sc).astype(np.float16)
-    low = (-(dmin * mn)).astype(np.float16)
-    qs = b[:, 16:].reshape(-1, 4, 32)  # each 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high
-    q = np.stack([qs & 0xF, qs >> 4], axis=2).reshape(-1, 8, 32)  # [n, 8 sub-blocks, 32 values]
-    packed = q[:, :, :16] | (q[:, :, 16:] << 4)  # Q4_1: value i in the low nibble, i + 16 in the high
-    out = np.concatenate([scale.view(np.uint8).reshape(-1, 8, 2), low.view(np.uint8).reshape(-1, 8, 2), packed],
-                         axis=2)
-    return out.reshape(rows, -1)
+    b = raw.reshape(-1, 18 if fmt == "q4_0" else 22)
+    qs = b[:, -16:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16)
+    if fmt == "q5_0":
+        bits = b[:, 2:6].copy().view("<u4")  # [n, 1]
+        q |= (((bits >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+    q8 = (q - WIDENS[fmt]).astype(np.int8).view(np.uint8)
+    return np.concatenate([b[:, 0:2], q8], axis=1).reshape(rows, -1)
 
 
 def to_q8_0(w: np.ndarray) -> np.ndarray:

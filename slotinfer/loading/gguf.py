@@ -41,7 +41,9 @@ from ..models.gguf_config import architecture, config_dict, gguf_module, module_
 _F32, _F16, _BF16 = 0, 1, 30
 _MLX_TYPES = (_F32, _F16, _BF16, 8, 2, 3)
 _QUANT_BITS = {2: 4, 3: 4, 8: 8}  # Q4_0, Q4_1, Q8_0 as MLX affine triples
-_BLOCK_FORMATS = {2: "q4_0", 3: "q4_1", 8: "q8_0"}  # kept as stored for the CPU's own kernels
+# kept as stored for the CPU's own kernels: Q4_0, Q4_1, Q8_0, Q5_0, Q4_K, Q6_K
+_BLOCK_FORMATS = {2: "q4_0", 3: "q4_1", 8: "q8_0", 6: "q5_0", 12: "q4_k", 14: "q6_k"}
+_BLOCK_HALVES = {3: (0, 2), 12: (0, 2), 14: (208,)}  # a block's float16 fields (its d, and m or dmin); others: (0,)
 # dequantized by gguf.quants: Q5_0, Q5_1, the K-quants Q2_K..Q6_K, the I-quants (IQ1_S ... IQ4_XS)
 _GGUF_TYPES = (6, 7, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29)
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -219,9 +221,9 @@ def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32, blocks: 
     The config is built from the scanned header and checked against the tensor table before any
     tensor data is read.  Tensors that gguf's reference dequantizes become ``dtype`` arrays, or MLX
     affine triples in :func:`slotinfer.device.requantized_layout` where ``keep_quantized``.
-    ``blocks``: Q8_0/Q4_0/Q4_1 matrices stay the file's bytes (``uint8``, quantization
-    ``{"format": "q4_1"}``), for the CPU's own kernels (:mod:`slotinfer.cpu.qlayers`), and the
-    other quantized types' matrices are repacked into those blocks (:mod:`slotinfer.cpu.repack`)."""
+    ``blocks``: Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K matrices stay the file's bytes (``uint8``, quantization
+    ``{"format": "q4_k"}``), for the CPU's own kernels (:mod:`slotinfer.cpu.qlayers`), and the
+    other quantized types' matrices are requantized to Q8_0 (:mod:`slotinfer.cpu.repack`)."""
     tensors, meta = scan(path)
     source = path.name
     name, fam = architecture(meta, source)
@@ -300,7 +302,7 @@ def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict,
     count = int(np.prod(t.shape, dtype=np.int64))
     if blocks and t.type in _BLOCK_FORMATS and kind == "weight" and len(t.shape) == 2:
         raw = _raw_blocks(path, t)
-        _check_finite(path, t, _block_scales(raw, t.block[1], 2 if t.type == 3 else 1))  # Q4_1: d and m
+        _check_finite(path, t, _block_scales(raw, t.block[1], _BLOCK_HALVES.get(t.type, (0,))))
         quant[module] = {"format": _BLOCK_FORMATS[t.type]}
         return {kind: mx.array(raw)}
     if t.type == _BF16:
@@ -326,17 +328,10 @@ def _tensor(path: Path, t: TensorInfo, keep_quantized: bool, dtype, quant: dict,
 
 
 def _repacked(path: Path, t: TensorInfo, quant: dict, module: str) -> mx.array:
-    """A matrix of another quantized type in blocks the CPU's kernels read (:mod:`slotinfer.cpu.repack`):
-    Q4_K as Q4_1, value for value; any other type requantized to Q8_0 from gguf's reading."""
+    """A matrix of a type the CPU's kernels do not read (Q5_1, Q2_K, Q3_K, Q5_K, the I-quants) requantized
+    to Q8_0 from gguf's reading (:mod:`slotinfer.cpu.repack`)."""
     from ..cpu import repack
 
-    if t.type == repack.Q4_K:
-        raw = _raw_blocks(path, t)
-        _check_finite(path, t, _block_scales(raw, t.block[1], 2))  # d and dmin
-        out = repack.q4_k_to_q4_1(raw)
-        _check_finite(path, t, _block_scales(out, 20, 2))  # d * sc past float16's range
-        quant[module] = {"format": "q4_1"}
-        return mx.array(out)
     w = _dequantize(path, t)
     _check_finite(path, t, w)
     quant[module] = {"format": "q8_0"}
@@ -351,10 +346,11 @@ def _raw_blocks(path: Path, t: TensorInfo) -> np.ndarray:
                        offset=t.offset).reshape(rows, -1)
 
 
-def _block_scales(raw: np.ndarray, block_bytes: int, halves: int) -> np.ndarray:
-    """The ``halves`` float16 fields each raw block starts with (its scale, and a minimum where it has
+def _block_scales(raw: np.ndarray, block_bytes: int, at: tuple) -> np.ndarray:
+    """The float16 fields at byte offsets ``at`` of each raw block (its scale, and a minimum where it has
     one): finite there, finite weights."""
-    return raw.reshape(-1, block_bytes)[:, :2 * halves].copy().view("<f2")
+    blk = raw.reshape(-1, block_bytes)
+    return np.concatenate([blk[:, i:i + 2] for i in at], axis=1).copy().view("<f2")
 
 
 def _check_finite(path: Path, t: TensorInfo, w: np.ndarray) -> None:

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .. import device, settings
 from . import gguf
@@ -441,9 +442,10 @@ def _deciding_keys(cfg: ModelConfig, name: str) -> str:
 
 def _check_blocks(module: str, shape: tuple, w, fmt: str):
     """GGUF blocks kept as stored: uint8 rows of in / 32 blocks (the GGUF reader made them)."""
-    from ..cpu.qkernel import BLOCK_BYTES
+    from ..cpu.qkernel import BLOCK_VALUES, row_bytes
 
-    want = (shape[0], shape[1] // 32 * BLOCK_BYTES[fmt]) if len(shape) == 2 and shape[1] % 32 == 0 else None
+    fits = len(shape) == 2 and shape[1] % BLOCK_VALUES[fmt] == 0
+    want = (shape[0], row_bytes(fmt, shape[1])) if fits else None
     if want is None or w.dtype != mx.uint8 or tuple(w.shape) != want:
         raise WeightError(f"{module}.weight in {fmt} blocks is {w.dtype} {tuple(w.shape)}, expected uint8 {want} "
                           f"for its {'x'.join(map(str, shape))} weight; the file is damaged, re-download it")
@@ -512,6 +514,20 @@ def _prepare(cfg, weights, quant, compute, keep_q) -> dict:
     return _fuse(cfg, out, quant, compute)
 
 
+def _widened(weights: dict, quant: dict, modules: list, specs: list) -> list:
+    """A fused group's GGUF blocks all as Q8_0 where each part's format widens to it value for value
+    (:func:`slotinfer.cpu.repack.widen`: Q4_0, Q5_0), so the group stays in blocks; else ``specs``."""
+    from ..cpu import repack
+
+    if not all(s and s.get("format") in repack.WIDENS for s in specs):
+        return specs
+    for m, s in zip(modules, specs):
+        w = weights[f"{m}.weight"]
+        weights[f"{m}.weight"] = mx.array(repack.widen(np.asarray(w), s["format"]))
+        quant[m] = {"format": "q8_0"}
+    return [quant[m] for m in modules]
+
+
 def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
     for i in {n.split(".")[2] for n in weights if n.startswith("model.layers.")}:
         attn = f"model.layers.{i}.self_attn"
@@ -523,6 +539,8 @@ def _fuse(cfg, weights: dict, quant: dict, compute) -> dict:
             parent = f"model.layers.{i}.{'self_attn' if fused == 'qkv_proj' else 'mlp'}"
             modules = [f"{parent}.{p}" for p in parts]
             specs = [quant.get(m) for m in modules]
+            if any(s != specs[0] for s in specs):
+                specs = _widened(weights, quant, modules, specs)
             if any(s != specs[0] for s in specs):  # mixed precision in one group: fuse dense
                 for m, s in zip(modules, specs):
                     if s and "format" in s:  # GGUF blocks beside another type

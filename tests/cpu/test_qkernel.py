@@ -24,13 +24,27 @@ module = qkernel.load()
 built = pytest.mark.skipif(module is None, reason=f"the qkernel extension is {qkernel.status()}")
 
 FORMATS = list(qkernel.FORMATS)  # GGUF type names
+K_QUANTS = ("Q4_K", "Q6_K")  # super-blocks of 256 weights; gguf has no quantizer for them
+
+
+def k_of(qtype, k_blocks):
+    """A row length of about ``k_blocks`` blocks that ``qtype``'s blocks divide."""
+    return 256 * (1 + k_blocks % 3) if qtype in K_QUANTS else 32 * k_blocks
 
 
 def blocks(qtype, n, k, seed):
+    """Blocks of ``qtype`` and gguf's float reading of them: gguf's quantizer on random weights, or for the
+    K-quants random blocks with every bit pattern of their scales and values (the test writer's)."""
+    from gguf_fixtures import random_tensor_blocks
+
+    t = gguf.GGMLQuantizationType[qtype]
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, size=(n, 1))).astype(np.float32)
-    b = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
-    return b, gguf.quants.dequantize(b, gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+    if qtype in K_QUANTS:
+        b = random_tensor_blocks((n, k), t, float(rng.uniform(0.01, 2.0)), rng)
+    else:
+        w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, size=(n, 1))).astype(np.float32)
+        b = gguf.quants.quantize(w, t)
+    return b, gguf.quants.dequantize(b, t).reshape(n, k).astype(np.float64)
 
 
 def qlinear(x, b, qtype):
@@ -42,7 +56,7 @@ def qlinear(x, b, qtype):
        m=st.integers(1, 70), seed=st.integers(0, 2**16))
 def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
     """Within float32 summation error of numpy's product of the GGUF reference's dequantized weights."""
-    k = 32 * k_blocks
+    k = k_of(qtype, k_blocks)
     b, wd = blocks(qtype, n, k, seed)
     x = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32)
     out = qlinear(x, b, qtype)
@@ -58,7 +72,8 @@ def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
 def test_batch_invariant(kernels, qtype, m, seed, threads):
     """A row's result is bit-identical whatever the number of rows, their values, and the thread count
     (a few rows, which skip the decoded panel, drawn as often as any count)."""
-    n, k = 37, 320  # k: more blocks than a row tile takes at a time; m: up to more rows than a panel serves
+    n = 37  # k: more blocks of 32 than a row tile takes at a time; m: up to more rows than a panel serves
+    k = 512 if qtype in K_QUANTS else 320
     b, _ = blocks(qtype, n, k, seed)
     rng = np.random.default_rng(seed + 1)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -75,6 +90,25 @@ def test_batch_invariant(kernels, qtype, m, seed, threads):
         module.set_threads(default)
     assert np.array_equal(together, alone)
     assert np.array_equal(beside, alone[m // 2])
+
+
+@built
+@given(qtype=st.sampled_from(FORMATS), n=st.integers(1, 20), k_blocks=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_weights_are_the_references_bit_for_bit(kernels, qtype, n, k_blocks, seed):
+    """Every weight the loops decode is gguf's float32 reading of the block, exactly (the K-quants' d * sc
+    and dmin * m are exact in float32, so no scale is rounded on the way): the product with the identity
+    gives the weights back bit for bit, through the panel (k rows) and through the few-row loops
+    (each unit row alone), and so does the embedding lookup's dequantize."""
+    from slotinfer.cpu import qlayers
+
+    k = k_of(qtype, k_blocks)
+    b, wd = blocks(qtype, n, k, seed)
+    want = wd.astype(np.float32)
+    eye = np.eye(k, dtype=np.float32)
+    assert np.array_equal(qlinear(eye, b, qtype).T, want)
+    for i in np.random.default_rng(seed).choice(k, size=3):
+        assert np.array_equal(qlinear(eye[i:i + 1], b, qtype)[0], want[:, i])
+    assert np.array_equal(np.array(qlayers.dequantize(mx.array(b), qkernel.FORMATS[qtype])), want)
 
 
 @built
@@ -121,7 +155,9 @@ def test_strided_inputs_give_the_contiguous_result(compiled):
 def test_rejects_what_it_cannot_compute():
     b, _ = blocks("Q8_0", 4, 64, 0)
     with pytest.raises(ValueError):
-        qkernel.qlinear(mx.zeros((1, 64)), mx.array(b), "q5_0")
+        qkernel.qlinear(mx.zeros((1, 64)), mx.array(b), "q5_1")
+    with pytest.raises(ValueError):  # 64 is not a whole Q4_K super-block
+        qkernel.qlinear(mx.zeros((1, 64)), mx.zeros((4, 36), dtype=mx.uint8), "q4_k")
     with pytest.raises(ValueError):  # k does not match the blocks
         qkernel.qlinear(mx.zeros((1, 96)), mx.array(b), "q8_0")
     with pytest.raises(ValueError):

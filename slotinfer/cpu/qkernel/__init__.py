@@ -1,5 +1,5 @@
 """slotinfer's native CPU extension.  Quantized linear layers: ``x @ dequant(W).T`` as an MLX
-primitive, W in GGUF Q8_0 / Q4_0 / Q4_1 blocks as the file stores them, float32 activations and
+primitive, W in GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks as the file stores them, float32 activations and
 accumulation.  And a decode step's RMSNorm, rope from tables and attention over pool blocks, one
 MLX node each (``decode_ops.h``; the CPU ops use them: :func:`slotinfer.cpu.ops.cpu_ops`).
 
@@ -15,8 +15,14 @@ from __future__ import annotations
 import importlib
 
 # GGUF type names -> the extension's format names
-FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q4_k": 144, "q6_k": 210}  # a block, as stored
+BLOCK_VALUES = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q4_k": 256, "q6_k": 256}  # its weights
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """The bytes of a weight row of ``k`` values in ``fmt`` blocks."""
+    return k // BLOCK_VALUES[fmt] * BLOCK_BYTES[fmt]
 
 _module = None
 _error: str | None = None
@@ -74,8 +80,8 @@ def status() -> str:
 
 
 def qlinear(x, w, fmt: str):
-    """``x @ dequant(w).T``: ``x`` float32 [..., k], ``w`` uint8 [n, k / 32 blocks] in ``fmt``
-    (``q8_0``, ``q4_0``, ``q4_1``).  Raises RuntimeError where the extension is unavailable."""
+    """``x @ dequant(w).T``: ``x`` float32 [..., k], ``w`` uint8 [n, :func:`row_bytes`] in ``fmt``
+    (a name in :data:`FORMATS`).  Raises RuntimeError where the extension is unavailable."""
     module = load()
     if module is None:
         raise RuntimeError(f"slotinfer's quantized CPU kernels are unavailable: {_error}")

@@ -46,8 +46,8 @@ struct Kernels<QK_ISA> {
   // R rows (at most ROWS): each decoded block meets the rows of x straight from registers.
   template <Format F, int C, int R>
   QK_TARGET static void rows(const Job& job) {
-    const int nb = job.k / BLOCK, bb = block_bytes(F);
-    const size_t row_bytes = (size_t)nb * bb;
+    const int nb = job.k / BLOCK, bb = sub_bytes(F);
+    const size_t row_bytes = qk::row_bytes(F, job.k);
     int j = job.j0;
     for (; j + C <= job.j1; j += C) {
       V acc[R][C];
@@ -56,7 +56,7 @@ struct Kernels<QK_ISA> {
       for (int b = 0; b < nb; ++b) {
         prefetch_group(job, j, C, row_bytes, b, bb);
         V w[C][SLICES];
-        for (int c = 0; c < C; ++c) I::template decode<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w[c]);
+        for (int c = 0; c < C; ++c) I::template decode<F>(job.W + (j + c) * row_bytes, b, w[c]);
         for (int s = 0; s < SLICES; ++s)
           for (int r = 0; r < R; ++r) {
             V xv = I::load(job.x + (size_t)r * job.k + b * BLOCK + W * s);
@@ -85,8 +85,8 @@ struct Kernels<QK_ISA> {
   template <Format F, int C>
   QK_TARGET static void panels(const Job& job, std::vector<float>& buf) {
     if (job.m <= I::ROWS) return few_rows<F, C>(job);
-    const int nb = job.k / BLOCK, bb = block_bytes(F), k = job.k;
-    const size_t row_bytes = (size_t)nb * bb;
+    const int nb = job.k / BLOCK, k = job.k;
+    const size_t row_bytes = qk::row_bytes(F, job.k);
     buf.resize((size_t)k * C + (size_t)job.m * C * W);
     float* wp = buf.data();
     float* keep = wp + (size_t)k * C;
@@ -95,7 +95,7 @@ struct Kernels<QK_ISA> {
       for (int b = 0; b < nb; ++b)
         for (int c = 0; c < C; ++c) {
           V w[SLICES];
-          I::template decode<F>(job.W + (j + c) * row_bytes + (size_t)b * bb, w);
+          I::template decode<F>(job.W + (j + c) * row_bytes, b, w);
           for (int s = 0; s < SLICES; ++s) I::store(wp + (b * C + c) * BLOCK + W * s, w[s]);
         }
       for (int b0 = 0; b0 < nb; b0 += K_CHUNK) {
@@ -121,6 +121,9 @@ struct Kernels<QK_ISA> {
       case Format::Q8_0: return panels<Format::Q8_0, I::PANEL>(job, buf);
       case Format::Q4_0: return panels<Format::Q4_0, I::PANEL>(job, buf);
       case Format::Q4_1: return panels<Format::Q4_1, I::PANEL>(job, buf);
+      case Format::Q5_0: return panels<Format::Q5_0, I::PANEL>(job, buf);
+      case Format::Q4_K: return panels<Format::Q4_K, I::PANEL>(job, buf);
+      case Format::Q6_K: return panels<Format::Q6_K, I::PANEL>(job, buf);
     }
   }
   QK_TARGET static void attend_rows(const AttendJob& j, int b0, int b1) { attend_rows_body(j, b0, b1); }

@@ -47,6 +47,7 @@ NB_MODULE(_qkernel, m) {
         "h + down(act(gate) * up) of rms_norm(h) * w_norm, gate | up from w_gate_up (act: silu or gelu_tanh)");
   m.attr("mlx_version") = QK_MLX_VERSION;  // the mlx whose headers and library it was built against
   m.def("block_bytes", [](const std::string& f) { return block_bytes(parse_format(f)); });
+  m.def("block_values", [](const std::string& f) { return block_values(parse_format(f)); });
   m.def("set_threads", [](int t) { g_threads = std::max(1, t); }, "threads"_a);
   m.def("threads", []() { return g_threads; });
   m.def("set_spare_rows", [](int rows) { g_spare_rows = rows; }, "rows"_a,

@@ -1,4 +1,4 @@
-// MLX primitives, CPU only: x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1), a decode
+// MLX primitives, CPU only: x @ dequant(W).T with W in GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K), a decode
 // step's RMSNorm, rope from tables and paged attention (one node each), and the fused blocks that
 // compose them; with the functions that check their inputs and build their nodes.  The loops are
 // in kernels.h, the threads in pool.h.
@@ -21,7 +21,10 @@ Format parse_format(const std::string& name) {
   if (name == "q8_0") return Format::Q8_0;
   if (name == "q4_0") return Format::Q4_0;
   if (name == "q4_1") return Format::Q4_1;
-  throw std::invalid_argument("format must be q8_0, q4_0 or q4_1, got " + name);
+  if (name == "q5_0") return Format::Q5_0;
+  if (name == "q4_k") return Format::Q4_K;
+  if (name == "q6_k") return Format::Q6_K;
+  throw std::invalid_argument("format must be q8_0, q4_0, q4_1, q5_0, q4_k or q6_k, got " + name);
 }
 
 namespace {
@@ -370,11 +373,11 @@ mx::array paged_decode_attention(const mx::array& q, const mx::array& keys, cons
 }
 
 void need_blocks(const mx::array& w, int k, Format f, const char* what) {
-  int bb = block_bytes(f);
-  if (w.dtype() != mx::uint8 || w.ndim() != 2 || !w.flags().row_contiguous || k % BLOCK != 0 ||
-      w.shape(1) != (k / BLOCK) * bb)
-    throw std::invalid_argument(std::string(what) + " must be contiguous uint8 [n, " + std::to_string(k) + " / 32 * " +
-                                std::to_string(bb) + "] blocks");
+  int bb = block_bytes(f), per = block_values(f);
+  if (w.dtype() != mx::uint8 || w.ndim() != 2 || !w.flags().row_contiguous || k % per != 0 ||
+      (size_t)w.shape(1) != row_bytes(f, k))
+    throw std::invalid_argument(std::string(what) + " must be contiguous uint8 [n, " + std::to_string(k) + " / " +
+                                std::to_string(per) + " * " + std::to_string(bb) + "] blocks");
 }
 
 mx::array qkv_rope(const mx::array& x, const mx::array& w_norm, float eps, const mx::array& w_qkv,
@@ -458,9 +461,10 @@ mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& for
   if (w.dtype() != mx::uint8 || w.ndim() != 2) throw std::invalid_argument("w must be a 2-D uint8 array of blocks");
   if (x.ndim() < 1) throw std::invalid_argument("x must have at least one axis");
   int k = x.shape(-1);
-  int bb = block_bytes(f);
-  if (k % BLOCK != 0 || w.shape(1) != (k / BLOCK) * bb)
-    throw std::invalid_argument("w's rows must hold x.shape[-1] / 32 blocks of " + std::to_string(bb) + " bytes");
+  int bb = block_bytes(f), per = block_values(f);
+  if (k % per != 0 || (size_t)w.shape(1) != row_bytes(f, k))
+    throw std::invalid_argument("w's rows must hold x.shape[-1] / " + std::to_string(per) + " blocks of " +
+                                std::to_string(bb) + " bytes");
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("qlinear runs on the CPU only");
   mx::Shape shape = x.shape();

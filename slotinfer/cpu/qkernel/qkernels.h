@@ -2,11 +2,23 @@
 // reference block decoder, a thread's job and the choice of instruction set.  The loops are in
 // loops.h, written once against simd.h's traits; kernels.h compiles them per instruction set.
 //
-// W is kept as GGUF stores it: each weight row is k / 32 blocks of 32 weights.
+// W is kept as GGUF stores it: each weight row is k / 32 blocks of 32 weights, or k / 256
+// super-blocks of 256 for the K-quants, read as eight sub-blocks of 32.
 //   Q8_0: f16 d, 32 x int8 q             (34 bytes)  w = d * q
 //   Q4_0: f16 d, 16 bytes of nibbles     (18 bytes)  w = d * (q - 8)
 //   Q4_1: f16 d, f16 m, 16 bytes nibbles (20 bytes)  w = d * q + m
-// Nibble j (0..15) of byte i: low nibble is weight i, high nibble weight i + 16.
+//   Q5_0: f16 d, 32 high bits, nibbles   (22 bytes)  w = d * (q - 16), q = nibble | high bit << 4
+// Nibble j (0..15) of byte i: low nibble is weight i, high nibble weight i + 16 (bit i of Q5_0's
+// high bits goes with weight i).
+//   Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit sc and m (eight each), 128 bytes of nibbles (144 bytes
+//         per 256): w = (d * sc) * q - dmin * m per sub-block of 32; sub-blocks 2c and 2c + 1 are the
+//         low and high nibbles of bytes 32c .. 32c + 31.
+//   Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 x int8 sc, f16 d (210 bytes per
+//         256): w = (d * sc) * (q - 32) per 16 weights, q 6 bits.
+// Every one of these is exact in float32: d * sc is a float16 times an integer of at most 8 bits, and
+// its product with q of at most 6 bits still fits float32's 24-bit significand; the decoders compute
+// it as gguf's reference does (d * sc, then * q, then - dmin * m, the one rounding), so a decoded
+// weight is the reference's value bit for bit.
 //
 // How a call goes: the columns (weight rows) are taken a panel of C at a time; a panel's blocks
 // are decoded once to float32 weights (d * q exactly; d * q + m rounded once for Q4_1: the scales
@@ -35,7 +47,7 @@
 
 namespace qk {
 
-enum class Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum class Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q6_K = 5 };
 
 constexpr int BLOCK = 32;
 constexpr int ROW_CHUNK = 64;  // rows a decoded panel serves before the next panel is decoded
@@ -43,13 +55,42 @@ constexpr int GROUP = 8;       // columns a thread's share goes in (a multiple o
 constexpr int K_CHUNK = 8;     // blocks of k a row tile takes at a time
 constexpr int TILE_ROWS = 4;   // rows of x a tile of the decoded panel takes at a time
 
+// A block's bytes and weights as stored (a K-quant's super-block); the loops take 32 weights at a
+// time (sub_block), whatever the format.
 inline int block_bytes(Format f) {
   switch (f) {
     case Format::Q8_0: return 34;
     case Format::Q4_0: return 18;
     case Format::Q4_1: return 20;
+    case Format::Q5_0: return 22;
+    case Format::Q4_K: return 144;
+    case Format::Q6_K: return 210;
   }
   return 0;
+}
+
+inline int block_values(Format f) { return f == Format::Q4_K || f == Format::Q6_K ? 256 : BLOCK; }
+
+inline size_t row_bytes(Format f, int k) { return (size_t)(k / block_values(f)) * block_bytes(f); }
+
+// About the bytes 32 weights take (for prefetching: no value depends on it).
+inline int sub_bytes(Format f) { return (block_bytes(f) * BLOCK + block_values(f) - 1) / block_values(f); }
+
+// Where the 32 weights b (0 .. k / 32 - 1) of a weight row start: the block, or the super-block
+// that holds them (the decoders take the sub-block's index from b).
+inline const uint8_t* block_at(Format f, const uint8_t* row, int b) {
+  return block_values(f) == BLOCK ? row + (size_t)b * block_bytes(f) : row + (size_t)(b >> 3) * block_bytes(f);
+}
+
+// Q4_K's 6-bit scale and minimum of sub-block j (0..7) from its 12 packed bytes.
+inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
 }
 
 inline float half_to_float(const uint8_t* p) {
@@ -80,10 +121,41 @@ inline float half_to_float(const uint8_t* p) {
   return f;
 }
 
-// One block to 32 floats, portably (the reference the vector decoders equal bit for bit).
-inline void decode_portable(Format f, const uint8_t* blk, float* w) {
+// The 32 weights b of a weight row to floats, portably (the reference the vector decoders equal bit
+// for bit).
+inline void decode_portable(Format f, const uint8_t* row, int b, float* w) {
+  const uint8_t* blk = block_at(f, row, b);
+  if (f == Format::Q4_K) {
+    int sc, mn;
+    q4_k_scale_min(blk + 4, b & 7, sc, mn);
+    const float D = half_to_float(blk) * (float)sc, M = half_to_float(blk + 2) * (float)mn;
+    const uint8_t* q = blk + 16 + 32 * ((b & 7) >> 1);
+    const int shift = 4 * (b & 1);
+    for (int i = 0; i < 32; ++i) w[i] = D * (float)((q[i] >> shift) & 0x0f) - M;
+    return;
+  }
+  if (f == Format::Q6_K) {
+    const int half = (b & 7) >> 2, j = b & 3;
+    const uint8_t* ql = blk + 64 * half + 32 * (j & 1);
+    const uint8_t* qh = blk + 128 + 32 * half;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 8 * half + 2 * j;
+    const float d = half_to_float(blk + 208);
+    for (int i = 0; i < 32; ++i) {
+      int q = ((ql[i] >> (j & 2 ? 4 : 0)) & 0x0f) | (((qh[i] >> (2 * j)) & 3) << 4);
+      w[i] = (d * (float)sc[i >> 4]) * (float)(q - 32);
+    }
+    return;
+  }
   float d = half_to_float(blk);
-  if (f == Format::Q8_0) {
+  if (f == Format::Q5_0) {
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    const uint8_t* q = blk + 6;
+    for (int i = 0; i < 16; ++i) {
+      w[i] = d * (float)((int)((q[i] & 0x0f) | (((qh >> i) & 1) << 4)) - 16);
+      w[i + 16] = d * (float)((int)((q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+    }
+  } else if (f == Format::Q8_0) {
     const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
     for (int i = 0; i < 32; ++i) w[i] = d * (float)q[i];
   } else if (f == Format::Q4_0) {

@@ -3,7 +3,8 @@
 //   ROWS     how many rows of x a product takes straight from the decoded registers (more rows
 //            go through the decoded panel); PANEL: the columns a panel holds
 //   zero, load, store, fma (acc + a * b, rounded once where the ISA has a fused multiply-add),
-//   reduce (the lanes to one float in a fixed tree), decode<F> (a block to 32 / W registers).
+//   reduce (the lanes to one float in a fixed tree), decode<F> (the 32 weights b of a weight row,
+//   qkernels.h's block_at, to 32 / W registers).
 // loops.h is written once against these names.  Portable is the reference: its decode is
 // decode_portable, and each vector decoder gives exactly its weights.
 #pragma once
@@ -39,9 +40,9 @@ struct Portable {
     return (s0 + s2) + (s1 + s3);
   }
   template <Format F>
-  static QK_INL void decode(const uint8_t* blk, V* w) {
+  static QK_INL void decode(const uint8_t* row, int b, V* w) {
     float t[BLOCK];
-    decode_portable(F, blk, t);
+    decode_portable(F, row, b, t);
     for (int s = 0; s < BLOCK / W; ++s) w[s] = load(t + W * s);
   }
 };
@@ -72,9 +73,52 @@ struct Avx2 {
     return reduce128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
   }
   template <Format F>
-  static QK_AVX2_TARGET QK_INL void decode(const uint8_t* blk, V* w) {
+  static QK_AVX2_TARGET QK_INL void decode(const uint8_t* row, int b, V* w) {
+    const uint8_t* blk = block_at(F, row, b);
+    if constexpr (F == Format::Q4_K) {
+      int sc, mn;
+      q4_k_scale_min(blk + 4, b & 7, sc, mn);
+      const __m256 D = _mm256_set1_ps(load_half(blk) * (float)sc), M = _mm256_set1_ps(load_half(blk + 2) * (float)mn);
+      const uint8_t* q = blk + 16 + 32 * ((b & 7) >> 1);
+      const __m128i shift = _mm_cvtsi32_si128(4 * (b & 1));
+      for (int s = 0; s < 4; ++s) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * s)));
+        v = _mm256_and_si256(_mm256_srl_epi32(v, shift), _mm256_set1_epi32(0x0f));
+        w[s] = _mm256_fmsub_ps(D, _mm256_cvtepi32_ps(v), M);  // D * q is exact: one rounding, as D * q - M
+      }
+      return;
+    } else if constexpr (F == Format::Q6_K) {
+      const int half = (b & 7) >> 2, j = b & 3;
+      const uint8_t* ql = blk + 64 * half + 32 * (j & 1);
+      const uint8_t* qh = blk + 128 + 32 * half;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 8 * half + 2 * j;
+      const float d = load_half(blk + 208);
+      const __m128i lsh = _mm_cvtsi32_si128(j & 2 ? 4 : 0), hsh = _mm_cvtsi32_si128(2 * j);
+      for (int s = 0; s < 4; ++s) {
+        __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ql + 8 * s)));
+        __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qh + 8 * s)));
+        lo = _mm256_and_si256(_mm256_srl_epi32(lo, lsh), _mm256_set1_epi32(0x0f));
+        hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(hi, hsh), _mm256_set1_epi32(3)), 4);
+        __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32));
+        w[s] = _mm256_mul_ps(_mm256_set1_ps(d * (float)sc[s >> 1]), _mm256_cvtepi32_ps(q));
+      }
+      return;
+    }
     const __m256 d = _mm256_set1_ps(load_half(blk));
-    if constexpr (F == Format::Q8_0) {
+    if constexpr (F == Format::Q5_0) {
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      const __m256i bits = _mm256_set1_epi32((int)qh), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      for (int s = 0; s < 4; ++s) {  // weights 8s .. 8s + 7: byte 8 (s & 1) + lane, low nibble for s < 2
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 6 + 8 * (s & 1))));
+        if (s >= 2) v = _mm256_srli_epi32(v, 4);
+        v = _mm256_and_si256(v, _mm256_set1_epi32(0x0f));
+        __m256i h = _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * s))),
+                                     _mm256_set1_epi32(1));
+        v = _mm256_sub_epi32(_mm256_or_si256(v, _mm256_slli_epi32(h, 4)), _mm256_set1_epi32(16));
+        w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+      }
+    } else if constexpr (F == Format::Q8_0) {
       for (int s = 0; s < 4; ++s) {
         __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * s));
         w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
@@ -115,9 +159,58 @@ struct Avx512 {
     return Avx2::reduce(h);
   }
   template <Format F>
-  static QK_AVX512_TARGET QK_INL void decode(const uint8_t* blk, V* w) {
+  static QK_AVX512_TARGET QK_INL void decode(const uint8_t* row, int b, V* w) {
+    const uint8_t* blk = block_at(F, row, b);
+    if constexpr (F == Format::Q4_K) {
+      // the sub-block's 16 possible weights D * q - M as one register, each nibble picking its own
+      // (vpermps reads the low 4 bits of an index, so the low nibbles need no mask)
+      int sc, mn;
+      q4_k_scale_min(blk + 4, b & 7, sc, mn);
+      const __m512 table = _mm512_fmsub_ps(_mm512_set1_ps(load_half(blk) * (float)sc),
+                                           _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_ps(load_half(blk + 2) * (float)mn));
+      const uint8_t* q = blk + 16 + 32 * ((b & 7) >> 1);
+      for (int s = 0; s < 2; ++s) {
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * s)));
+        if (b & 1) idx = _mm512_srli_epi32(idx, 4);
+        w[s] = _mm512_permutexvar_ps(idx, table);
+      }
+      return;
+    } else if constexpr (F == Format::Q6_K) {
+      const int half = (b & 7) >> 2, j = b & 3;
+      const uint8_t* ql = blk + 64 * half + 32 * (j & 1);
+      const uint8_t* qh = blk + 128 + 32 * half;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 8 * half + 2 * j;
+      const float d = load_half(blk + 208);
+      const __m128i lsh = _mm_cvtsi32_si128(j & 2 ? 4 : 0), hsh = _mm_cvtsi32_si128(2 * j);
+      for (int s = 0; s < 2; ++s) {  // 16 weights, one scale
+        __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16 * s)));
+        __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * s)));
+        lo = _mm512_and_si512(_mm512_srl_epi32(lo, lsh), _mm512_set1_epi32(0x0f));
+        hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(hi, hsh), _mm512_set1_epi32(3)), 4);
+        __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, hi), _mm512_set1_epi32(32));
+        w[s] = _mm512_mul_ps(_mm512_set1_ps(d * (float)sc[s]), _mm512_cvtepi32_ps(q));
+      }
+      return;
+    }
     const __m512 d = _mm512_set1_ps(load_half(blk));
-    if constexpr (F == Format::Q8_0) {
+    if constexpr (F == Format::Q5_0) {
+      // 32 possible weights d * (q - 16) in two registers, each 5-bit q picking its own
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      const __m512 neg = _mm512_mul_ps(d, _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3,
+                                                         -2, -1));
+      const __m512 pos = _mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)));
+      const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i bits = _mm512_set1_epi32((int)qh);
+      for (int s = 0; s < 2; ++s) {
+        __m512i nib = _mm512_and_si512(s ? _mm512_srli_epi32(bytes, 4) : bytes, _mm512_set1_epi32(0x0f));
+        __m512i h = _mm512_and_si512(_mm512_srlv_epi32(bits, _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * s))),
+                                     _mm512_set1_epi32(1));
+        w[s] = _mm512_permutex2var_ps(neg, _mm512_or_si512(nib, _mm512_slli_epi32(h, 4)), pos);
+      }
+    } else if constexpr (F == Format::Q8_0) {
       for (int s = 0; s < 2; ++s) {
         __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * s));
         w[s] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
