@@ -15,7 +15,8 @@ evaluated before it starts and its outputs when it ends, and the time between is
   adds, the embedding, sampling, the engine's host work and the evaluations between parts.
 
 The evaluations between parts cost a little (a wait per part), so ``total`` is a few percent
-above the run's plain wall time; ``--plain`` also runs each shape without the wrappers.  Shapes
+above the run's plain wall time; ``--plain`` also runs each shape without the wrappers.  ``CPU s``
+is the process's CPU time over the run (every thread's), less sensitive to a busy machine.  Shapes
 are ``ROWSxTOKENS@BUDGET``; the defaults are one and four 2,048- and 8,192-token prompts under
 the default 512-token budget, and eight 2,048-token prompts under the budget ``slotinfer bench``
 sets (prompt x slots: all 16,384 tokens in one call).  Runs the code it imports: point
@@ -86,15 +87,16 @@ def patch():
     return lambda: [setattr(o, n, f) for o, n, f in saved]
 
 
-def run(model, rows: int, tokens: int, budget: int) -> float:
-    """Seconds to prefill ``rows`` prompts of ``tokens`` tokens (and sample one token each)."""
+def run(model, rows: int, tokens: int, budget: int) -> tuple[float, float]:
+    """Wall and process CPU seconds to prefill ``rows`` prompts of ``tokens`` tokens (and sample one
+    token each)."""
     e = Engine(model, slots=rows, max_len=tokens + 8, prefill_tokens=budget, prefix_cache_bytes=0)
     for p in prompts_of(model, rows, tokens, seed=rows * tokens):
         e.add(e.make_item(p, max_tokens=1, ignore_eos=True))
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     while e.busy:
         e.step()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def main():
@@ -106,7 +108,7 @@ def main():
         raise SystemExit(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
     model = slotinfer.load(default_model.path())
     run(model, 1, 600, 512)  # compile and fault in outside the timing
-    head = f"{'shape':>16} {'total s':>8} {'tok/s':>7} " + " ".join(f"{p:>14}" for p in PARTS) + f" {'rest':>14}"
+    head = f"{'shape':>16} {'total s':>8} {'tok/s':>7} {'CPU s':>7} " + " ".join(f"{p:>14}" for p in PARTS) + f" {'rest':>14}"
     if args.plain:
         head += f" {'plain s':>8} {'tok/s':>7}"
     print(head + f" {'maxrss MiB':>10}")
@@ -116,14 +118,14 @@ def main():
         acc.clear()
         unpatch = patch()
         try:
-            total = run(model, rows, tokens, int(budget))
+            total, cpu = run(model, rows, tokens, int(budget))
         finally:
             unpatch()
         cells = [acc[p] for p in PARTS] + [total - sum(acc[p] for p in PARTS)]
-        line = f"{shape:>16} {total:8.2f} {rows * tokens / total:7.1f} " + " ".join(
+        line = f"{shape:>16} {total:8.2f} {rows * tokens / total:7.1f} {cpu:7.1f} " + " ".join(
             f"{c:7.2f} ({100 * c / total:3.0f}%)" for c in cells)
         if args.plain:
-            plain = run(model, rows, tokens, int(budget))
+            plain = run(model, rows, tokens, int(budget))[0]
             line += f" {plain:8.2f} {rows * tokens / plain:7.1f}"
         print(line + f" {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:10.0f}", flush=True)
 

@@ -33,8 +33,8 @@ import mlx.core as mx
 from ..cpu.ops import Ops
 
 KEY_BLOCK = 128  # keys per partial product: fixed, counted from position 0
-TILE_SCORES = 1 << 20  # scores per tile (rows x heads x queries x keys), about 4 MiB of float32
-MIN_TILE, MAX_TILE = 16, 256  # queries per tile
+TILE_SCORES = 1 << 22  # scores per tile (rows x heads x queries x keys), about 16 MiB of float32
+MIN_TILE, MAX_TILE = 16, 512  # queries per tile
 
 _last = threading.local()  # the reach of the last mask seen (one mask serves every layer of a call)
 
