@@ -8,8 +8,9 @@ nothing else), medians printed with their ratio:
   graphs that use it, compiled: a softmax over a prefill's scores and over a decode step's, and
   the MLP activation ``silu(g) * u``; ``mx.exp``'s softmax beside them.
 * the prefill forward of the model (default: the demo model, ``slotinfer demo`` builds it) for
-  prompts of ``--shapes`` (rows x tokens): attention whose row sums come from a product with ones
-  (the default from a key span of 128) against the softmax everywhere.
+  prompts of ``--shapes`` (rows x tokens): attention in tiles of queries whose row sums come with
+  the value products (``models/tiled_attention.py``, the default from a key span of 128) against
+  the whole softmax everywhere.
 * ``--by-layer``: whole prefills through the engine (``max_tokens=1``), each call evaluated layer
   by layer (the CPU policy from 256 tokens on, ``device.prefill_by_layer``) against one lazy
   graph: median seconds and peak memory over the weights and K/V table.  ``--first on|off`` runs
@@ -86,7 +87,7 @@ def prefill(model_path, shapes, rounds: int):
     vocab = model.tokenizer.vocab_size
     by_product = T._SUM_BY_PRODUCT
     print(f"model: {model}")
-    print(f"{'prompts':>10} {'sums by product ms':>19} {'softmax ms':>11} {'ratio':>7} {'prompt tok/s':>13}")
+    print(f"{'prompts':>10} {'tiled ms':>19} {'softmax ms':>11} {'ratio':>7} {'prompt tok/s':>13}")
     for n, L in shapes:
         tokens = mx.array([[rng.randrange(3, vocab) for _ in range(L)] for _ in range(n)])
 

@@ -128,6 +128,17 @@ def prefill_by_layer(device=None) -> int:
     return 256 if _kind(device) == "cpu" else 0
 
 
+def prefill_micro_batch(device=None) -> int:
+    """The most tokens (rows x widest row) one prefill forward computes, whatever the engine's
+    prefill budget (0: no cap).  The budget decides how much prompt a step takes in, for
+    fairness against the rows decoding; a step's share past this goes through in forwards of
+    at most this many tokens, one after another, later pieces of a row reading its earlier
+    ones from the pool, so a larger budget never makes a larger working set.  CPU: 512, the
+    size from which a prefill's products run at their full rate here (docs/batching.md). GPU:
+    no cap -- there one large forward keeps the device busy."""
+    return 512 if _kind(device) == "cpu" else 0
+
+
 def retain_freed_memory(device=None) -> bool:
     """CPU policy on glibc: keep freed memory in the process instead of handing it back
     (:mod:`slotinfer.cpu.allocator` says why).  Returns whether the setting is in force."""

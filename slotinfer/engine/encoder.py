@@ -97,6 +97,7 @@ class Encoder:
     def __init__(self, net, table: SlotTable, budget: int):
         self.net, self.table, self.budget = net, table, budget
         self.by_layer = device.prefill_by_layer()  # calls of this many tokens on go layer by layer (0: never)
+        self.micro = device.prefill_micro_batch()  # the most tokens one forward computes (0: the budget)
 
     def plan(self, pending) -> list[tuple[object, Chunk]]:
         """Pick items (FIFO) and their next chunks so the padded call stays within the token budget."""
@@ -113,24 +114,39 @@ class Encoder:
             picked.append((item, Chunk(item.slot, start, feed[start:start + size], start + size == len(feed))))
         return picked
 
+    def _forward(self, chunks: list[Chunk]):
+        """Final hidden states of one forward over ``chunks``, their K/V written to their slots."""
+        width = max(len(c.tokens) for c in chunks)
+        lens = [len(c.tokens) for c in chunks]
+        fresh = all(c.start == 0 for c in chunks)
+        span = max(c.start + len(c.tokens) for c in chunks)
+        view = PrefillView(self.table, [c.slot for c in chunks], [c.start for c in chunks], lens, width, span, fresh)
+        return forward(self.net, [c.tokens for c in chunks], view, self.by_layer, self.table)
+
     def run(self, chunks: list[Chunk], rows_params, *, top_n: int = -1, mask=None, steps=None):
         """Prefill ``chunks``; returns the first sampled token (and logprobs) of each completed row, lazily.
+
+        The chunks go through in forwards of at most :func:`~slotinfer.device.prefill_micro_batch`
+        tokens (:func:`micro_calls`), whatever the budget that planned them.
 
         ``rows_params`` holds [m] sampling arrays for the rows with ``last=True``, in order, and
         ``mask`` (or None) their [m, words] bitmasks of allowed tokens.  ``steps`` ([m] uint32, None:
         zeros) is the sampling step of each row's token: the count of tokens it generated before (a
         preempted request recomputed resumes at its own).
         """
-        width = max(len(c.tokens) for c in chunks)
-        lens = [len(c.tokens) for c in chunks]
-        fresh = all(c.start == 0 for c in chunks)
-        span = max(c.start + len(c.tokens) for c in chunks)
-        view = PrefillView(self.table, [c.slot for c in chunks], [c.start for c in chunks], lens, width, span, fresh)
-        h = forward(self.net, [c.tokens for c in chunks], view, self.by_layer, self.table)
         done = [i for i, c in enumerate(chunks) if c.last]
+        last = {}  # chunk index -> hidden state at its last token, for the rows that complete
+        for call in micro_calls(chunks, self.micro):
+            h = self._forward([c for _, c in call])
+            ends = [j for j, (i, c) in enumerate(call) if c.last]
+            if ends:
+                got = last_hidden(h, [len(c.tokens) for _, c in call], ends)
+                if len(call) < len(chunks):
+                    mx.eval(got)  # the call's activations go before the next one's are made
+                last.update((call[j][0], got[n]) for n, j in enumerate(ends))
         if not done:
             return None
-        logits = self.net.head(last_hidden(h, lens, done))
+        logits = self.net.head(mx.stack([last[i] for i in done]))
         p = rows_params
         first, extra = select(
             logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seeds=p.seeds,
@@ -138,6 +154,34 @@ class Encoder:
             counts=p.counts, bias=p.bias, presence=p.presence, frequency=p.frequency, mask=mask,
             use_sort=p.use_sort, top_n=top_n)
         return first, extra
+
+
+def micro_calls(chunks: list[Chunk], cap: int) -> list[list[tuple[int, Chunk]]]:
+    """``chunks`` as forwards of at most ``cap`` padded tokens each (0: one forward), in an order
+    that computes each row's tokens in turn: a chunk longer than ``cap`` goes in pieces of
+    ``cap`` tokens, rows side by side while they fit.  Each entry is (index in ``chunks``, the
+    piece); a piece is ``last`` when its chunk is and it ends the chunk."""
+    width = max(len(c.tokens) for c in chunks)
+    if cap <= 0 or fits(width, len(chunks), cap):
+        return [list(enumerate(chunks))]
+    pieces = []  # by round: the r-th piece of each chunk that has one
+    for i, c in enumerate(chunks):
+        for r, at in enumerate(range(0, len(c.tokens), cap)):
+            if r == len(pieces):
+                pieces.append([])
+            end = min(len(c.tokens), at + cap)
+            pieces[r].append((i, Chunk(c.slot, c.start + at, c.tokens[at:end], c.last and end == len(c.tokens))))
+    calls = []
+    for round_ in pieces:
+        cur, w = [], 0
+        for i, p in round_:
+            if cur and not fits(max(w, len(p.tokens)), len(cur) + 1, cap):
+                calls.append(cur)
+                cur, w = [], 0
+            cur.append((i, p))
+            w = max(w, len(p.tokens))
+        calls.append(cur)
+    return calls
 
 
 # -- classify's prefill: rows after K/V computed before -------------------------------------

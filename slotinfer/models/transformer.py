@@ -39,6 +39,7 @@ import mlx.nn as nn
 
 from ..cpu.ops import MLX_OPS, Ops
 from .config import ModelConfig, Rope
+from .tiled_attention import tiled_attend
 
 
 class RMSNorm(nn.Module):
@@ -184,6 +185,10 @@ def attend(q, k, v, scale: float, mask, softcap: float | None, ops: Ops = MLX_OP
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, H, L, D = q.shape
     kvh, S = k.shape[1], k.shape[2]
+    if ops.shifted_exp is not None and L > 1 and S >= _SUM_BY_PRODUCT:
+        # A prefill's scores are L x S per head: in tiles of queries, each over the keys it sees,
+        # so they stay in cache, with the value products in fixed key blocks (tiled_attention.py)
+        return tiled_attend(q, k, v, scale, mask, softcap, ops)
     q = q.reshape(B, kvh, H // kvh, L, D)
     scores = (q * scale) @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, kvh, rep, L, S]
     if softcap is not None:
@@ -194,13 +199,6 @@ def attend(q, k, v, scale: float, mask, softcap: float | None, ops: Ops = MLX_OP
         mask = mask if mask.ndim < 4 else mx.expand_dims(mask, 2)
         scores = mx.where(mask, scores, -mx.inf)
     v = mx.expand_dims(v, 2)
-    if ops.shifted_exp is not None and L > 1 and S >= _SUM_BY_PRODUCT:
-        # A prefill's scores are L x S per head: each elementwise pass over them costs more than
-        # a product.  The unnormalized weights go through the value product as they are, and the
-        # row sums come from one more product with a column of ones; the division then acts on
-        # L x D outputs instead of L x S weights.
-        e = ops.shifted_exp(scores)
-        return ((e @ v) / (e @ mx.ones((S, 1), dtype=e.dtype))).reshape(B, H, L, D)
     probs = ops.softmax(scores)
     return (probs @ v).reshape(B, H, L, D)
 
@@ -245,7 +243,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-_SUM_BY_PRODUCT = 128  # key span from which a prefill's softmax sums come from a product
+_SUM_BY_PRODUCT = 128  # key span from which a prefill attends in tiles (tiled_attention.py)
 
 
 class MLP(nn.Module):

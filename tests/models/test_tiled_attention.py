@@ -1,0 +1,74 @@
+"""A prefill's tiled attention (models/tiled_attention.py): close to the float64 softmax, and a
+query's output the same bit for bit whatever shares its tile or its call."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from slotinfer import device
+from slotinfer.models import tiled_attention as TA
+from slotinfer.models.transformer import attend
+
+OPS = device.model_ops()
+pytestmark = pytest.mark.skipif(OPS.shifted_exp is None, reason="the tiled path serves the CPU policy's ops")
+
+
+def case(seed, B, L, S, kvh=2, rep=3, D=32):
+    k = mx.random.key(seed)
+    ks = mx.random.split(k, 4)
+    q = mx.random.normal((B, kvh * rep, L, D), key=ks[0])
+    keys = mx.random.normal((B, kvh, S, D), key=ks[1])
+    vals = mx.random.normal((B, kvh, S, D), key=ks[2])
+    starts = mx.random.randint(0, S - L + 1, (B,), key=ks[3])
+    mask = (mx.arange(S)[None, None] <= (starts[:, None] + mx.arange(L)[None])[:, :, None])[:, None]
+    return q, keys, vals, mask
+
+
+def reference(q, k, v, mask, scale, softcap=None):
+    q, k, v, m = (np.array(x).astype(np.float64) for x in (q, k, v, mask))
+    B, H, L, D = q.shape
+    kvh = k.shape[1]
+    s = np.einsum("bgrld,bgsd->bgrls", q.reshape(B, kvh, H // kvh, L, D) * scale, k)
+    if softcap is not None:
+        s = np.tanh(s / softcap) * softcap
+    s = np.where(m[:, :, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bgrls,bgsd->bgrld", p, v).reshape(B, H, L, D)
+
+
+@given(seed=st.integers(0, 2**16), B=st.integers(1, 3), L=st.integers(2, 90), extra=st.integers(0, 300),
+       softcap=st.sampled_from([None, 30.0]))
+def test_matches_the_float64_softmax(seed, B, L, extra, softcap):
+    q, k, v, mask = case(seed, B, L, L + extra)
+    got = np.array(TA.tiled_attend(q, k, v, 0.2, mask, softcap, OPS))
+    np.testing.assert_allclose(got, reference(q, k, v, mask, 0.2, softcap), rtol=2e-5, atol=2e-5)
+
+
+@given(seed=st.integers(0, 2**16), B=st.integers(2, 3), L=st.integers(2, 90), extra=st.integers(0, 300),
+       cut=st.integers(1, 89), more=st.integers(1, 200), tile=st.sampled_from([1 << 10, 1 << 14, 1 << 20]))
+def test_a_query_is_the_same_in_any_tile_call_or_batch(seed, B, L, extra, cut, more, tile, monkeypatch):
+    """Row 0 alone; its later queries alone; with masked keys appended; with other tile sizes: the
+    same bits as in the batch (how an engine call cuts and pads a row must not change it)."""
+    q, k, v, mask = case(seed, B, L, L + extra)
+    whole = np.array(TA.tiled_attend(q, k, v, 0.2, mask, None, OPS))
+    monkeypatch.setattr(TA, "TILE_SCORES", tile)
+    alone = np.array(TA.tiled_attend(q[:1], k[:1], v[:1], 0.2, mask[:1], None, OPS))
+    np.testing.assert_array_equal(alone, whole[:1])
+    cut = min(cut, L - 1)
+    later = TA.tiled_attend(q[:1, :, cut:], k[:1], v[:1], 0.2, mask[:1, :, cut:], None, OPS)
+    np.testing.assert_array_equal(np.array(later), whole[:1, :, cut:])
+    pad_k = mx.concatenate([k[:1], mx.random.normal((1, k.shape[1], more, k.shape[3]))], axis=2)
+    pad_v = mx.concatenate([v[:1], mx.random.normal((1, v.shape[1], more, v.shape[3]))], axis=2)
+    pad_m = mx.concatenate([mask[:1], mx.zeros((1, 1, L, more), dtype=mx.bool_)], axis=-1)
+    np.testing.assert_array_equal(np.array(TA.tiled_attend(q[:1], pad_k, pad_v, 0.2, pad_m, None, OPS)), whole[:1])
+
+
+def test_causal_is_the_bool_mask_and_attend_takes_this_path():
+    q, k, v, _ = case(3, 1, 200, 200)
+    causal = (mx.arange(200)[None] <= mx.arange(200)[:, None])[None, None]
+    want = np.array(TA.tiled_attend(q, k, v, 0.2, causal, None, OPS))
+    np.testing.assert_array_equal(np.array(TA.tiled_attend(q, k, v, 0.2, "causal", None, OPS)), want)
+    np.testing.assert_array_equal(np.array(attend(q, k, v, 0.2, "causal", None, OPS)), want)
