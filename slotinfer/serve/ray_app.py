@@ -8,8 +8,8 @@ over a :class:`~slotinfer.serve.remote.RemoteBackend`).
 
 Per model, one deployment of :class:`Replica` (its request router: :class:`~slotinfer.serve.routing.PrefixRouter`
 unless ``routing`` says otherwise); one :class:`Ingress` deployment in front of them all.
-The ingress loads each model too: it renders, encodes and decodes there, and routes on the
-prompt's token ids.  See docs/scale-out.md.
+The ingress loads each model's tokenizer and chat template (not its weights): it renders, encodes
+and decodes there, and routes on the prompt's token ids.  See docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Ingress:
         apps = {}
         names = tuple(replicas)
         for name, handle in replicas.items():
-            model = await asyncio.to_thread(slotinfer.load, paths[name])
+            model = await asyncio.to_thread(slotinfer.load, paths[name], weights=False)  # templates, tokenizer
             info = await handle.info.remote()
             apps[name] = shell_app(RemoteBackend(handle, info), model, name, served=names, **shell)
         self._dispatcher = Dispatcher(apps)
