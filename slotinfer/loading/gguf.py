@@ -214,16 +214,9 @@ class _Reader:
                           "newer GGUF version, re-convert it")
 
 
-def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32, blocks: bool = False):
-    """(ModelConfig, {checkpoint name: array}, {module: quantization}, metadata, checked) of a GGUF file;
-    ``checked``: every tensor was found free of NaN and Inf here (``SLOTINFER_CHECK_FINITE``).
-
-    The config is built from the scanned header and checked against the tensor table before any
-    tensor data is read.  Tensors that gguf's reference dequantizes become ``dtype`` arrays, or MLX
-    affine triples in :func:`slotinfer.device.requantized_layout` where ``keep_quantized``.
-    ``blocks``: Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K matrices stay the file's bytes (``uint8``, quantization
-    ``{"format": "q4_k"}``), for the CPU's own kernels (:mod:`slotinfer.cpu.qlayers`), and the
-    other quantized types' matrices are requantized to Q8_0 (:mod:`slotinfer.cpu.repack`)."""
+def header(path: Path):
+    """(ModelConfig, family, tensor table, {GGUF name: checkpoint name}, metadata) of a GGUF file, from its
+    header alone (no tensor data but Llama 3.1's small rope factors), the config checked against the table."""
     tensors, meta = scan(path)
     source = path.name
     name, fam = architecture(meta, source)
@@ -249,6 +242,20 @@ def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32, blocks: 
     except ModelLoadError as e:
         raise type(e)(f"{source}: its metadata gives a config slotinfer cannot run: {e}") from None
     _check_shapes(cfg, fam, tensors, hf_names, source)
+    return cfg, fam, tensors, hf_names, meta
+
+
+def read(path: Path, *, keep_quantized: bool = False, dtype=mx.float32, blocks: bool = False):
+    """(ModelConfig, {checkpoint name: array}, {module: quantization}, metadata, checked) of a GGUF file;
+    ``checked``: every tensor was found free of NaN and Inf here (``SLOTINFER_CHECK_FINITE``).
+
+    The config is built from the scanned header and checked against the tensor table before any
+    tensor data is read.  Tensors that gguf's reference dequantizes become ``dtype`` arrays, or MLX
+    affine triples in :func:`slotinfer.device.requantized_layout` where ``keep_quantized``.
+    ``blocks``: Q8_0/Q4_0/Q4_1/Q5_0/Q4_K/Q6_K matrices stay the file's bytes (``uint8``, quantization
+    ``{"format": "q4_k"}``), for the CPU's own kernels (:mod:`slotinfer.cpu.qlayers`), and the
+    other quantized types' matrices are requantized to Q8_0 (:mod:`slotinfer.cpu.repack`)."""
+    cfg, fam, tensors, hf_names, meta = header(path)
 
     def place(module: str, kind: str, w: mx.array) -> mx.array:
         if fam.permuted_qk and module.endswith(("q_proj", "k_proj")):

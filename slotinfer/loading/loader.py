@@ -48,7 +48,7 @@ _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON head
 _FINITE_BATCH = 64 * 2**20  # bytes of small float tensors checked for NaN/Inf in one reduction
 
 
-def load(path, *, dtype=None, revision=None) -> Model:
+def load(path, *, dtype=None, revision=None, weights: bool = True) -> Model:
     """Load a decoder checkpoint folder (Hugging Face or MLX-quantized layout), a GGUF file, or a
     Hugging Face repo id (``"org/name"``, at ``revision``) through huggingface_hub's cache.
 
@@ -59,6 +59,9 @@ def load(path, *, dtype=None, revision=None) -> Model:
         >>> model = slotinfer.load("SmolLM2-135M-Instruct.Q4_1.gguf")  # docs/gguf.md
         >>> model = slotinfer.load("HuggingFaceTB/SmolLM2-135M-Instruct")
         >>> model.generate("The capital of France is", max_tokens=8).text
+
+    ``weights=False`` reads the config, tokenizer and chat template only, not the weights (``model.net``
+    is None): enough to render, encode and decode prompts that run elsewhere (the Ray Serve ingress).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise InvalidRequestError(f"load() takes the path of a model folder (a str or Path), got {path!r}")
@@ -66,7 +69,7 @@ def load(path, *, dtype=None, revision=None) -> Model:
     folder = Path(path).expanduser()
     gguf_file = gguf.find(folder)
     if gguf_file is not None:
-        return _load_gguf(gguf_file, dtype)
+        return _load_gguf(gguf_file, dtype) if weights else _gguf_text(gguf_file)
     if folder.is_file():
         raise ModelNotFoundError(
             f"{str(folder)!r} is a file, not a folder; pass the folder holding config.json "
@@ -82,14 +85,6 @@ def load(path, *, dtype=None, revision=None) -> Model:
                                  "folder holding config.json, a .gguf file, or a Hugging Face repo id (org/name)")
     raw = read_json(folder / "config.json", error=ConfigError, required=True)
     cfg = parse_config(raw)
-    files = shard_files(folder)
-    specs = _text_weights({k: v for f in files for k, v in read_header(f).items()})
-    check_weights(cfg, specs, _quant_params(raw, specs))  # the config against the headers, before any data
-    for name in _TOKENIZER_FILES:  # what the tokenizer reads, refused before the weights are read when it cannot be
-        check_regular(folder / name, error=TokenizerError)
-    check_regular(folder / "generation_config.json", error=ConfigError)
-    weights = _text_weights(_read_data(files))
-    quant = _quant_params(raw, weights)
 
     def tokenizer():
         tok = Tokenizer.from_folder(folder)
@@ -100,6 +95,19 @@ def load(path, *, dtype=None, revision=None) -> Model:
             )
         return tok, frozenset(tok.eos_ids)  # the tokenizer read the folder's declared EOS ids
 
+    if not weights:
+        for name in _TOKENIZER_FILES:
+            check_regular(folder / name, error=TokenizerError)
+        tok, eos_ids = tokenizer()
+        return Model(None, cfg, tok, eos_ids=eos_ids, dtype=None, path=folder)
+    files = shard_files(folder)
+    specs = _text_weights({k: v for f in files for k, v in read_header(f).items()})
+    check_weights(cfg, specs, _quant_params(raw, specs))  # the config against the headers, before any data
+    for name in _TOKENIZER_FILES:  # what the tokenizer reads, refused before the weights are read when it cannot be
+        check_regular(folder / name, error=TokenizerError)
+    check_regular(folder / "generation_config.json", error=ConfigError)
+    weights = _text_weights(_read_data(files))
+    quant = _quant_params(raw, weights)
     return assemble(cfg, weights, quant, dtype=dtype, path=folder, tokenizer=tokenizer)
 
 
@@ -137,13 +145,24 @@ def _load_gguf(file: Path, dtype) -> Model:
     cfg, weights, quant, meta, checked = gguf.read(file, keep_quantized=device.keep_quantized() and dtype is None,
                                                    dtype=device.compute_dtype(mx.float32, override=dtype),
                                                    blocks=device.cpu_block_kernels() and dtype is None)
+    tok = _gguf_tokenizer(file, cfg, meta)
+    return assemble(cfg, weights, quant, dtype=dtype, path=file, tokenizer=lambda: (tok, tok.eos_ids),
+                    checked=checked)
+
+
+def _gguf_text(file: Path) -> Model:
+    cfg, _, _, _, meta = gguf.header(file)
+    tok = _gguf_tokenizer(file, cfg, meta)
+    return Model(None, cfg, tok, eos_ids=tok.eos_ids, dtype=None, path=file)
+
+
+def _gguf_tokenizer(file: Path, cfg: ModelConfig, meta: dict) -> Tokenizer:
     tok = Tokenizer.from_gguf(meta, file.name)
     if tok.vocab_size > cfg.vocab_size:
         raise TokenizerError(
             f"{file.name}: the vocabulary (tokenizer.ggml.tokens) has {tok.vocab_size} tokens but token_embd has "
             f"{cfg.vocab_size} rows; the file is inconsistent, re-convert it")
-    return assemble(cfg, weights, quant, dtype=dtype, path=file, tokenizer=lambda: (tok, tok.eos_ids),
-                    checked=checked)
+    return tok
 
 
 class TensorSpec(NamedTuple):

@@ -8,8 +8,8 @@ over a :class:`~slotinfer.serve.remote.RemoteBackend`).
 
 Per model, one deployment of :class:`Replica` (its request router: :class:`~slotinfer.serve.routing.PrefixRouter`
 unless ``routing`` says otherwise); one :class:`Ingress` deployment in front of them all.
-The ingress loads each model too: it renders, encodes and decodes there, and routes on the
-prompt's token ids.  See docs/scale-out.md.
+The ingress loads each model's tokenizer and chat template (not its weights): it renders, encodes
+and decodes there, and routes on the prompt's token ids.  See docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ class Replica:
 
     async def generate(self, rows: list, route=None, blocks: int = 0):
         """A request's rows (``[(prompt ids, params)]``, taken whole or refused whole), streamed:
-        ("accepted", replica), then ("event", row, StreamEvent) per token and ("done", row, Completion)
-        or ("error", row, exception) per row, then ("stats", replica, stats); ("error", exception)
-        first when the rows were refused.  ``route`` and ``blocks`` are the router's (the first prompt's
-        block hashes, the blocks the rows need)."""
+        ("accepted", replica) first, or ("error", exception) alone when the rows were refused; then
+        lists of items, in order: ("event", row, StreamEvent) per token, ("done", row, Completion) or
+        ("error", row, exception) per row, and ("stats", replica, stats) last.  Each list holds what
+        came since the last one was sent: one item while the caller keeps up, several when tokens
+        came faster than the messages went (a message per item would fall further behind), never
+        waiting for more.  ``route`` and ``blocks`` are the router's (the first prompt's block
+        hashes, the blocks the rows need)."""
         try:
             handles = await self.backend.submit(rows)
         except Exception as e:  # noqa: BLE001 -- the caller answers it (QueueFull: 429; a bad row: 400)
@@ -78,10 +81,13 @@ class Replica:
             yield ("accepted", self.id)
             left = len(handles)
             while left:
-                item = await events.get()
-                left -= item[0] != "event"
-                yield item
-            yield ("stats", self.id, self.inf.stats())
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                left -= sum(item[0] != "event" for item in batch)
+                if not left:
+                    batch.append(("stats", self.id, self.inf.stats()))
+                yield batch
         finally:
             for h in handles:
                 h.cancel()  # the caller went away (or the rows ended): free their slots at the next step
@@ -120,7 +126,7 @@ class Ingress:
         apps = {}
         names = tuple(replicas)
         for name, handle in replicas.items():
-            model = await asyncio.to_thread(slotinfer.load, paths[name])
+            model = await asyncio.to_thread(slotinfer.load, paths[name], weights=False)  # templates, tokenizer
             info = await handle.info.remote()
             apps[name] = shell_app(RemoteBackend(handle, info), model, name, served=names, **shell)
         self._dispatcher = Dispatcher(apps)

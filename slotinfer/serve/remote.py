@@ -36,6 +36,7 @@ class RemoteBackend:
         self.closed = False
         self.max_len, self.slots, self.max_queue = info["max_len"], info["slots"], info["max_queue"]
         self.block_tokens = info["block_tokens"]
+        self.streaming = handle.options(stream=True)  # built once: each request's call goes through it
         self._stats = {info["replica"]: info["stats"]}  # each replica's stats, as its last row reported them
 
     def stats(self) -> dict:
@@ -76,8 +77,7 @@ class RemoteCall:
     async def start(self):
         """Until a replica takes the rows: one that dies first is replaced by another; a refusal raises."""
         for _ in range(TRIES):
-            gen = self.backend.handle.options(stream=True).generate.remote(self.todo, route=self.route,
-                                                                           blocks=self.blocks)
+            gen = self.backend.streaming.generate.remote(self.todo, route=self.route, blocks=self.blocks)
             try:
                 kind, *payload = await gen.__anext__()
             except RayActorError:
@@ -99,15 +99,16 @@ class RemoteCall:
     async def _read(self):
         rows = self.rows
         try:
-            async for kind, *payload in self._gen:
-                if kind == "event":
-                    rows[payload[0]]._event(payload[1])
-                elif kind == "done":
-                    rows[payload[0]]._end(result=payload[1])
-                elif kind == "error":
-                    rows[payload[0]]._end(error=payload[1])
-                elif kind == "stats":
-                    self.backend._stats[payload[0]] = payload[1]
+            async for batch in self._gen:  # what the replica had since its last message, in order
+                for kind, *payload in batch:
+                    if kind == "event":
+                        rows[payload[0]]._event(payload[1])
+                    elif kind == "done":
+                        rows[payload[0]]._end(result=payload[1])
+                    elif kind == "error":
+                        rows[payload[0]]._end(error=payload[1])
+                    elif kind == "stats":
+                        self.backend._stats[payload[0]] = payload[1]
         except RequestCancelledError:  # every row cancelled here: each ends with what came so far
             pass
         except RayActorError:

@@ -83,6 +83,19 @@ def test_bos_is_added_once_through_chat_template(models):
         assert m.encode_prompt(m.apply_chat_template([{"role": "user", "content": "hi"}])) == ids
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_without_weights_the_text_side_is_the_models(models, model_dir, family):
+    """``weights=False`` (what the Ray Serve ingress loads): the same config, tokenizer, chat template
+    and EOS ids, and no network."""
+    full, text = models[family], slotinfer.load(model_dir(family), weights=False)
+    assert text.net is None and text.config == full.config and text.eos_ids == full.eos_ids
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi <b>there</b>"}]
+    assert text.apply_chat_template(msgs) == full.apply_chat_template(msgs)
+    assert text.encode_prompt(text.apply_chat_template(msgs)) == full.encode_prompt(full.apply_chat_template(msgs))
+    ids = full.encode_prompt("a cat sat on the mat")
+    assert text.tokenizer.decode(ids) == full.tokenizer.decode(ids)
+
+
 # -- errors -------------------------------------------------------------------------
 
 

@@ -108,6 +108,15 @@ def test_streams_are_well_formed(client, single):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
     assert len({c.id for c in chunks}) == 1
+    # four rows in one call to one replica: their tokens interleave and reach the ingress in batches;
+    # each row's streamed text is still its whole answer, in order, none lost
+    kw = dict(model=NAME, prompt=["Once upon a time", "The sea"], n=2, max_tokens=24, temperature=0)
+    texts: dict[int, str] = {}
+    for c in client.completions.create(stream=True, extra_body={"ignore_eos": True}, **kw):
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+    whole = single.completions.create(extra_body={"ignore_eos": True}, **kw)
+    assert texts == {c.index: c.text for c in whole.choices}
 
 
 def test_the_other_routes_run_on_the_replicas(fleet, model):
