@@ -14,8 +14,8 @@ class Checkpoint:
     drives it (:class:`~slotinfer.model.Model` adds the structured-output compiler and the library's
     functions as methods)."""
 
-    def __init__(self, net: Transformer, config: ModelConfig, tokenizer, *, eos_ids, dtype, path: Path):
-        self.net = net
+    def __init__(self, net: Transformer | None, config: ModelConfig, tokenizer, *, eos_ids, dtype, path: Path):
+        self._net = net
         self.config = config
         self.tokenizer = tokenizer
         self.eos_ids = frozenset(eos_ids)
@@ -26,6 +26,19 @@ class Checkpoint:
         c = self.config
         return (f"{type(self).__name__}({self.path.name!r}, {c.model_type}, layers={c.num_layers}, "
                 f"hidden={c.hidden_size}, vocab={c.vocab_size}, dtype={self.dtype})")
+
+    @property
+    def net(self) -> Transformer:
+        """The network; a checkpoint loaded with ``weights=False`` has none and says so."""
+        if self._net is None:
+            raise InvalidRequestError(
+                f"{self.path.name} was loaded with weights=False (config, tokenizer and template only): it can "
+                "render and encode prompts but not run them; load it again with slotinfer.load(path)")
+        return self._net
+
+    @property
+    def has_weights(self) -> bool:
+        return self._net is not None
 
     @property
     def context_length(self) -> int:

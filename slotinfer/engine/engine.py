@@ -100,6 +100,7 @@ class Engine(SpeculativeSteps):
                  prefix_cache_bytes: int | None = None, kv_dtype=None, kv_cache_bytes: int | None = None,
                  block_size: int = KV_BLOCK_SIZE, speculative: str | None = None, draft_tokens: int = 8,
                  position_cost: float = POSITION_COST, bandwidth_rows: int = BANDWIDTH_ROWS):
+        model.net  # a checkpoint loaded without weights says so here, before any memory is sized
         if speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, got {speculative!r}")
         if not isinstance(draft_tokens, int) or isinstance(draft_tokens, bool) or not 1 <= draft_tokens <= 32:

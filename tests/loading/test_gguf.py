@@ -145,7 +145,7 @@ def test_eos_ids_are_the_metadata_eos_and_the_templates_end_of_turn(files, famil
 def test_without_weights_a_gguf_gives_its_config_and_tokenizer(files):
     _, path = files("qwen3")
     full, text = slotinfer.load(path), slotinfer.load(path, weights=False)
-    assert text.net is None and text.config == full.config and text.eos_ids == full.eos_ids
+    assert not text.has_weights and text.config == full.config and text.eos_ids == full.eos_ids
     msgs = [{"role": "user", "content": "hi there"}]
     assert text.encode_prompt(text.apply_chat_template(msgs)) == full.encode_prompt(full.apply_chat_template(msgs))
 

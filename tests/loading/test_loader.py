@@ -88,12 +88,17 @@ def test_without_weights_the_text_side_is_the_models(models, model_dir, family):
     """``weights=False`` (what the Ray Serve ingress loads): the same config, tokenizer, chat template
     and EOS ids, and no network."""
     full, text = models[family], slotinfer.load(model_dir(family), weights=False)
-    assert text.net is None and text.config == full.config and text.eos_ids == full.eos_ids
+    assert not text.has_weights and text.config == full.config and text.eos_ids == full.eos_ids
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi <b>there</b>"}]
     assert text.apply_chat_template(msgs) == full.apply_chat_template(msgs)
     assert text.encode_prompt(text.apply_chat_template(msgs)) == full.encode_prompt(full.apply_chat_template(msgs))
     ids = full.encode_prompt("a cat sat on the mat")
     assert text.tokenizer.decode(ids) == full.tokenizer.decode(ids)
+    # running it is a typed error that says how to get a model that runs
+    for run in (lambda: text.generate("hi", max_tokens=2), lambda: text.batch_generate(["hi"], max_tokens=2),
+                lambda: text.classify(["hi"]), lambda: slotinfer.Inferencer(text, slots=1)):
+        with pytest.raises(slotinfer.InvalidRequestError, match="weights=False"):
+            run()
 
 
 # -- errors -------------------------------------------------------------------------
