@@ -77,10 +77,7 @@ struct Kernels<QK_ISA> {
           KScales ks[C];
           for (int c = 0; c < C; ++c) {
             blk[c] = job.W + (j + c) * row_bytes + (size_t)sb * block_bytes(F);
-            if constexpr (F == Format::Q4_K)
-              q4_k_scales(blk[c] + 4, I::half(blk[c]), I::half(blk[c] + 2), ks[c]);
-            else
-              q6_k_scales(blk[c], I::half(blk[c] + 208), ks[c]);
+            I::template k_scales<F>(blk[c], ks[c]);
           }
           super_steps<F, C, R, 0>(job, blk, ks, j, row_bytes, sb, acc);
         }

@@ -101,18 +101,24 @@ struct KScales {
 };
 
 // d and dmin are the super-block's float16 fields as floats (any exact conversion).
-inline void q4_k_scales(const uint8_t* s, float d, float dmin, KScales& ks) {
-  // the 12 bytes as three words, byte i of a word in its bits 8i .. 8i + 7 (q4_k_scale_min's
-  // unpacking done four sub-blocks at a time)
+// Q4_K's eight 6-bit sc then eight m, one byte each, from the 12 packed bytes (q4_k_scale_min's
+// unpacking, four sub-blocks at a time).
+inline void q4_k_unpack(const uint8_t* s, uint8_t* out) {
   auto word = [s](int i) {
     return (uint32_t)s[i] | (uint32_t)s[i + 1] << 8 | (uint32_t)s[i + 2] << 16 | (uint32_t)s[i + 3] << 24;
   };
   const uint32_t u0 = word(0), u1 = word(4), u2 = word(8);
-  const uint32_t sc[2] = {u0 & 0x3f3f3f3fu, (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4)};
-  const uint32_t mn[2] = {u1 & 0x3f3f3f3fu, ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)};
+  const uint32_t w[4] = {u0 & 0x3f3f3f3fu, (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4),
+                         u1 & 0x3f3f3f3fu, ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)};
+  for (int i = 0; i < 16; ++i) out[i] = (uint8_t)(w[i >> 2] >> (8 * (i & 3)));
+}
+
+inline void q4_k_scales(const uint8_t* s, float d, float dmin, KScales& ks) {
+  uint8_t u[16];
+  q4_k_unpack(s, u);
   for (int j = 0; j < 8; ++j) {
-    ks.a[j] = d * (float)((sc[j >> 2] >> (8 * (j & 3))) & 0xff);
-    ks.a[8 + j] = dmin * (float)((mn[j >> 2] >> (8 * (j & 3))) & 0xff);
+    ks.a[j] = d * (float)u[j];
+    ks.a[8 + j] = dmin * (float)u[8 + j];
   }
 }
 

@@ -45,7 +45,13 @@ struct Portable {
     decode_portable(F, row, b, t);
     for (int s = 0; s < BLOCK / W; ++s) w[s] = load(t + W * s);
   }
-  static QK_INL float half(const uint8_t* p) { return half_to_float(p); }
+  template <Format F>  // a K-quant super-block's factors
+  static QK_INL void k_scales(const uint8_t* blk, KScales& ks) {
+    if constexpr (F == Format::Q4_K)
+      q4_k_scales(blk + 4, half_to_float(blk), half_to_float(blk + 2), ks);
+    else
+      q6_k_scales(blk, half_to_float(blk + 208), ks);
+  }
   template <Format F, int J>  // sub-block J of the super-block blk (the factors are its own)
   static QK_INL void decode_sub(const uint8_t* blk, const KScales&, V* w) {
     decode<F>(blk, J, w);
@@ -77,7 +83,25 @@ struct Avx2 {
   static QK_AVX2_TARGET QK_INL float reduce(V v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
     return reduce128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
   }
-  static QK_AVX2_TARGET QK_INL float half(const uint8_t* p) { return load_half(p); }
+  template <Format F>  // a K-quant super-block's factors (KScales), 8 at a time
+  static QK_AVX2_TARGET QK_INL void k_scales(const uint8_t* blk, KScales& ks) {
+    __m128i b;
+    __m256 f0, f1;
+    if constexpr (F == Format::Q4_K) {
+      alignas(16) uint8_t u[16];
+      q4_k_unpack(blk + 4, u);
+      b = _mm_load_si128(reinterpret_cast<const __m128i*>(u));
+      f0 = _mm256_set1_ps(load_half(blk));
+      f1 = _mm256_set1_ps(load_half(blk + 2));
+      _mm256_storeu_ps(ks.a, _mm256_mul_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))));
+      _mm256_storeu_ps(ks.a + 8, _mm256_mul_ps(f1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))));
+    } else {
+      b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      f0 = _mm256_set1_ps(load_half(blk + 208));
+      _mm256_storeu_ps(ks.a, _mm256_mul_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
+      _mm256_storeu_ps(ks.a + 8, _mm256_mul_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))));
+    }
+  }
   // Sub-block J of the super-block blk, its factors unpacked once into ks (KScales): the same
   // weights as decode<F>(row, b, w), with the sub-block's shifts and offsets known at compile time.
   template <Format F, int J>
@@ -193,7 +217,20 @@ struct Avx512 {
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     return Avx2::reduce(h);
   }
-  static QK_AVX512_TARGET QK_INL float half(const uint8_t* p) { return load_half(p); }
+  template <Format F>  // a K-quant super-block's factors (KScales), 16 at a time
+  static QK_AVX512_TARGET QK_INL void k_scales(const uint8_t* blk, KScales& ks) {
+    if constexpr (F == Format::Q4_K) {
+      alignas(16) uint8_t u[16];
+      q4_k_unpack(blk + 4, u);
+      const __m512 f = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(load_half(blk))),
+                                                            _mm256_castps_pd(_mm256_set1_ps(load_half(blk + 2))), 1));
+      _mm512_storeu_ps(ks.a, _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                  _mm_load_si128(reinterpret_cast<const __m128i*>(u))))));
+    } else {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      _mm512_storeu_ps(ks.a, _mm512_mul_ps(_mm512_set1_ps(load_half(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))));
+    }
+  }
   // Sub-block J of the super-block blk, its factors unpacked once into ks (KScales): the same
   // weights as decode<F>(row, b, w), with the sub-block's shifts and offsets known at compile time.
   template <Format F, int J>
