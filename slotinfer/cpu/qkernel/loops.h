@@ -49,7 +49,6 @@ struct Kernels<QK_ISA> {
   QK_TARGET static QK_INL void super_steps(const Job& job, const uint8_t* const* blk, const KScales* ks, int j,
                                            size_t row_bytes, int sb, V (&acc)[R][C]) {
     const int b = 8 * sb + J;
-    prefetch_group(job, j, C, row_bytes, b, sub_bytes(F));
     V w[C][SLICES];
     for (int c = 0; c < C; ++c) I::template decode_sub<F, J>(blk[c], ks[c], w[c]);
     for (int s = 0; s < SLICES; ++s)
@@ -73,6 +72,7 @@ struct Kernels<QK_ISA> {
         for (int r = 0; r < R; ++r)
           for (int c = 0; c < C; ++c) acc[r][c] = I::zero();
         for (int sb = 0; sb < ns; ++sb) {
+          prefetch_group(job, j, C, row_bytes, sb, block_bytes(F));
           const uint8_t* blk[C];
           KScales ks[C];
           for (int c = 0; c < C; ++c) {
