@@ -100,7 +100,6 @@ struct KScales {
   float a[16];
 };
 
-// d and dmin are the super-block's float16 fields as floats (any exact conversion).
 // Q4_K's eight 6-bit sc then eight m, one byte each, from the 12 packed bytes (q4_k_scale_min's
 // unpacking, four sub-blocks at a time).
 inline void q4_k_unpack(const uint8_t* s, uint8_t* out) {
@@ -113,6 +112,7 @@ inline void q4_k_unpack(const uint8_t* s, uint8_t* out) {
   for (int i = 0; i < 16; ++i) out[i] = (uint8_t)(w[i >> 2] >> (8 * (i & 3)));
 }
 
+// d and dmin are the super-block's float16 fields as floats (any exact conversion).
 inline void q4_k_scales(const uint8_t* s, float d, float dmin, KScales& ks) {
   uint8_t u[16];
   q4_k_unpack(s, u);
