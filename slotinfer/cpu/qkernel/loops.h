@@ -43,9 +43,52 @@ struct Kernels<QK_ISA> {
     }
   }
 
-  // R rows (at most ROWS): each decoded block meets the rows of x straight from registers.
+  // Sub-blocks J .. 7 of super-block sb for rows<F, C, R> (K-quants): blk[c] is column c's
+  // super-block, ks[c] its factors.  The same multiply-adds, in the same order, as the generic loop.
+  template <Format F, int C, int R, int J>
+  QK_TARGET static QK_INL void super_steps(const Job& job, const uint8_t* const* blk, const KScales* ks, int j,
+                                           size_t row_bytes, int sb, V (&acc)[R][C]) {
+    const int b = 8 * sb + J;
+    V w[C][SLICES];
+    for (int c = 0; c < C; ++c) I::template decode_sub<F, J>(blk[c], ks[c], w[c]);
+    for (int s = 0; s < SLICES; ++s)
+      for (int r = 0; r < R; ++r) {
+        V xv = I::load(job.x + (size_t)r * job.k + b * BLOCK + W * s);
+        for (int c = 0; c < C; ++c) acc[r][c] = I::fma(w[c][s], xv, acc[r][c]);
+      }
+    if constexpr (J < 7) super_steps<F, C, R, J + 1>(job, blk, ks, j, row_bytes, sb, acc);
+  }
+
+  // R rows (at most ROWS): each decoded block meets the rows of x straight from registers.  A
+  // K-quant's factors are unpacked once per super-block, for its 8 sub-blocks.
   template <Format F, int C, int R>
   QK_TARGET static void rows(const Job& job) {
+    if constexpr (block_values(F) != BLOCK) {
+      const int ns = job.k / block_values(F);
+      const size_t row_bytes = qk::row_bytes(F, job.k);
+      int j = job.j0;
+      for (; j + C <= job.j1; j += C) {
+        V acc[R][C];
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) acc[r][c] = I::zero();
+        for (int sb = 0; sb < ns; ++sb) {
+          prefetch_group(job, j, C, row_bytes, sb, block_bytes(F));
+          const uint8_t* blk[C];
+          KScales ks[C];
+          for (int c = 0; c < C; ++c) {
+            blk[c] = job.W + (j + c) * row_bytes + (size_t)sb * block_bytes(F);
+            I::template k_scales<F>(blk[c], ks[c]);
+          }
+          super_steps<F, C, R, 0>(job, blk, ks, j, row_bytes, sb, acc);
+        }
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) job.out[(size_t)r * job.n + j + c] = I::reduce(acc[r][c]);
+      }
+      if constexpr (C > 1) {
+        if (j < job.j1) rows<F, 1, R>(job.from(j));  // the last columns, fewer than a panel
+      }
+      return;
+    }
     const int nb = job.k / BLOCK, bb = sub_bytes(F);
     const size_t row_bytes = qk::row_bytes(F, job.k);
     int j = job.j0;

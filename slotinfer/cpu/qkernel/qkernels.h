@@ -57,7 +57,7 @@ constexpr int TILE_ROWS = 4;   // rows of x a tile of the decoded panel takes at
 
 // A block's bytes and weights as stored (a K-quant's super-block); the loops take 32 weights at a
 // time (sub_block), whatever the format.
-inline int block_bytes(Format f) {
+constexpr int block_bytes(Format f) {
   switch (f) {
     case Format::Q8_0: return 34;
     case Format::Q4_0: return 18;
@@ -69,7 +69,7 @@ inline int block_bytes(Format f) {
   return 0;
 }
 
-inline int block_values(Format f) { return f == Format::Q4_K || f == Format::Q6_K ? 256 : BLOCK; }
+constexpr int block_values(Format f) { return f == Format::Q4_K || f == Format::Q6_K ? 256 : BLOCK; }
 
 inline size_t row_bytes(Format f, int k) { return (size_t)(k / block_values(f)) * block_bytes(f); }
 
@@ -91,6 +91,40 @@ inline void q4_k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
     sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
     m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
+}
+
+// A K-quant super-block's per-sub-block factors, unpacked once for its 8 sub-blocks (the one-row
+// loops read them from here): Q4_K's d * sc in a[0..7] and dmin * m in a[8..15]; Q6_K's d * sc of
+// each 16 weights in a[0..15].  The products are gguf's (a float16 times a small integer: exact).
+struct KScales {
+  float a[16];
+};
+
+// Q4_K's eight 6-bit sc then eight m, one byte each, from the 12 packed bytes (q4_k_scale_min's
+// unpacking, four sub-blocks at a time).
+inline void q4_k_unpack(const uint8_t* s, uint8_t* out) {
+  auto word = [s](int i) {
+    return (uint32_t)s[i] | (uint32_t)s[i + 1] << 8 | (uint32_t)s[i + 2] << 16 | (uint32_t)s[i + 3] << 24;
+  };
+  const uint32_t u0 = word(0), u1 = word(4), u2 = word(8);
+  const uint32_t w[4] = {u0 & 0x3f3f3f3fu, (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4),
+                         u1 & 0x3f3f3f3fu, ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4)};
+  for (int i = 0; i < 16; ++i) out[i] = (uint8_t)(w[i >> 2] >> (8 * (i & 3)));
+}
+
+// d and dmin are the super-block's float16 fields as floats (any exact conversion).
+inline void q4_k_scales(const uint8_t* s, float d, float dmin, KScales& ks) {
+  uint8_t u[16];
+  q4_k_unpack(s, u);
+  for (int j = 0; j < 8; ++j) {
+    ks.a[j] = d * (float)u[j];
+    ks.a[8 + j] = dmin * (float)u[8 + j];
+  }
+}
+
+inline void q6_k_scales(const uint8_t* blk, float d, KScales& ks) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  for (int i = 0; i < 16; ++i) ks.a[i] = d * (float)sc[i];
 }
 
 inline float half_to_float(const uint8_t* p) {

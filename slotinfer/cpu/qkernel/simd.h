@@ -45,6 +45,17 @@ struct Portable {
     decode_portable(F, row, b, t);
     for (int s = 0; s < BLOCK / W; ++s) w[s] = load(t + W * s);
   }
+  template <Format F>  // a K-quant super-block's factors
+  static QK_INL void k_scales(const uint8_t* blk, KScales& ks) {
+    if constexpr (F == Format::Q4_K)
+      q4_k_scales(blk + 4, half_to_float(blk), half_to_float(blk + 2), ks);
+    else
+      q6_k_scales(blk, half_to_float(blk + 208), ks);
+  }
+  template <Format F, int J>  // sub-block J of the super-block blk (the factors are its own)
+  static QK_INL void decode_sub(const uint8_t* blk, const KScales&, V* w) {
+    decode<F>(blk, J, w);
+  }
 };
 
 #ifdef QK_X86
@@ -71,6 +82,54 @@ struct Avx2 {
   static QK_AVX2_TARGET QK_INL V fma(V a, V b, V acc) { return _mm256_fmadd_ps(a, b, acc); }
   static QK_AVX2_TARGET QK_INL float reduce(V v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
     return reduce128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+  }
+  template <Format F>  // a K-quant super-block's factors (KScales), 8 at a time
+  static QK_AVX2_TARGET QK_INL void k_scales(const uint8_t* blk, KScales& ks) {
+    __m128i b;
+    __m256 f0, f1;
+    if constexpr (F == Format::Q4_K) {
+      alignas(16) uint8_t u[16];
+      q4_k_unpack(blk + 4, u);
+      b = _mm_load_si128(reinterpret_cast<const __m128i*>(u));
+      f0 = _mm256_set1_ps(load_half(blk));
+      f1 = _mm256_set1_ps(load_half(blk + 2));
+      _mm256_storeu_ps(ks.a, _mm256_mul_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))));
+      _mm256_storeu_ps(ks.a + 8, _mm256_mul_ps(f1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))));
+    } else {
+      b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      f0 = _mm256_set1_ps(load_half(blk + 208));
+      _mm256_storeu_ps(ks.a, _mm256_mul_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))));
+      _mm256_storeu_ps(ks.a + 8, _mm256_mul_ps(f0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))));
+    }
+  }
+  // Sub-block J of the super-block blk, its factors unpacked once into ks (KScales): the same
+  // weights as decode<F>(row, b, w), with the sub-block's shifts and offsets known at compile time.
+  template <Format F, int J>
+  static QK_AVX2_TARGET QK_INL void decode_sub(const uint8_t* blk, const KScales& ks, V* w) {
+    if constexpr (F == Format::Q4_K) {
+      const __m256 D = _mm256_set1_ps(ks.a[J]), M = _mm256_set1_ps(ks.a[8 + J]);
+      const uint8_t* q = blk + 16 + 32 * (J >> 1);
+      for (int s = 0; s < 4; ++s) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * s)));
+        if constexpr (J & 1) v = _mm256_srli_epi32(v, 4);
+        v = _mm256_and_si256(v, _mm256_set1_epi32(0x0f));
+        w[s] = _mm256_fmsub_ps(D, _mm256_cvtepi32_ps(v), M);
+      }
+    } else {
+      // Q6_K: the 32 six-bit values minus 32 formed in bytes, then widened 8 at a time
+      constexpr int half = J >> 2, j = J & 3;
+      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (j & 1)));
+      __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
+      if constexpr (j & 2) lo = _mm256_srli_epi16(lo, 4);
+      lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0f));
+      hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * j), _mm256_set1_epi8(3)), 4);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+      const __m128i parts[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+      for (int s = 0; s < 4; ++s) {
+        __m128i b8 = s & 1 ? _mm_srli_si128(parts[s >> 1], 8) : parts[s >> 1];
+        w[s] = _mm256_mul_ps(_mm256_set1_ps(ks.a[8 * half + 2 * j + (s >> 1)]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)));
+      }
+    }
   }
   template <Format F>
   static QK_AVX2_TARGET QK_INL void decode(const uint8_t* row, int b, V* w) {
@@ -158,6 +217,49 @@ struct Avx512 {
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     return Avx2::reduce(h);
   }
+  template <Format F>  // a K-quant super-block's factors (KScales), 16 at a time
+  static QK_AVX512_TARGET QK_INL void k_scales(const uint8_t* blk, KScales& ks) {
+    if constexpr (F == Format::Q4_K) {
+      alignas(16) uint8_t u[16];
+      q4_k_unpack(blk + 4, u);
+      const __m512 f = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(load_half(blk))),
+                                                            _mm256_castps_pd(_mm256_set1_ps(load_half(blk + 2))), 1));
+      _mm512_storeu_ps(ks.a, _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                                  _mm_load_si128(reinterpret_cast<const __m128i*>(u))))));
+    } else {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      _mm512_storeu_ps(ks.a, _mm512_mul_ps(_mm512_set1_ps(load_half(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))));
+    }
+  }
+  // Sub-block J of the super-block blk, its factors unpacked once into ks (KScales): the same
+  // weights as decode<F>(row, b, w), with the sub-block's shifts and offsets known at compile time.
+  template <Format F, int J>
+  static QK_AVX512_TARGET QK_INL void decode_sub(const uint8_t* blk, const KScales& ks, V* w) {
+    if constexpr (F == Format::Q4_K) {
+      const __m512 table = _mm512_fmsub_ps(_mm512_set1_ps(ks.a[J]),
+                                           _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_ps(ks.a[8 + J]));
+      const uint8_t* q = blk + 16 + 32 * (J >> 1);
+      for (int s = 0; s < 2; ++s) {
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * s)));
+        if constexpr (J & 1) idx = _mm512_srli_epi32(idx, 4);
+        w[s] = _mm512_permutexvar_ps(idx, table);
+      }
+    } else {
+      // Q6_K: the 32 six-bit values minus 32 formed in bytes, then widened 16 at a time
+      constexpr int half = J >> 2, j = J & 3;
+      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (j & 1)));
+      __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
+      if constexpr (j & 2) lo = _mm256_srli_epi16(lo, 4);
+      lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0f));
+      hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * j), _mm256_set1_epi8(3)), 4);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+      w[0] = _mm512_mul_ps(_mm512_set1_ps(ks.a[8 * half + 2 * j]),
+                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+      w[1] = _mm512_mul_ps(_mm512_set1_ps(ks.a[8 * half + 2 * j + 1]),
+                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+    }
+  }
   template <Format F>
   static QK_AVX512_TARGET QK_INL void decode(const uint8_t* row, int b, V* w) {
     const uint8_t* blk = block_at(F, row, b);
@@ -201,14 +303,12 @@ struct Avx512 {
       const __m512 neg = _mm512_mul_ps(d, _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3,
                                                          -2, -1));
       const __m512 pos = _mm512_mul_ps(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      // the high bits of weights 16s .. 16s + 15 are a lane mask choosing pos over neg (vpermps
+      // reads the low 4 bits of an index, so the nibbles need no mask)
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)));
-      const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512i bits = _mm512_set1_epi32((int)qh);
       for (int s = 0; s < 2; ++s) {
-        __m512i nib = _mm512_and_si512(s ? _mm512_srli_epi32(bytes, 4) : bytes, _mm512_set1_epi32(0x0f));
-        __m512i h = _mm512_and_si512(_mm512_srlv_epi32(bits, _mm512_add_epi32(lanes, _mm512_set1_epi32(16 * s))),
-                                     _mm512_set1_epi32(1));
-        w[s] = _mm512_permutex2var_ps(neg, _mm512_or_si512(nib, _mm512_slli_epi32(h, 4)), pos);
+        const __m512i nib = s ? _mm512_srli_epi32(bytes, 4) : bytes;
+        w[s] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(nib, neg), (__mmask16)(qh >> (16 * s)), nib, pos);
       }
     } else if constexpr (F == Format::Q8_0) {
       for (int s = 0; s < 2; ++s) {
