@@ -390,14 +390,17 @@ def test_cached_tokens_are_reported_and_exported(client, server, model):
     url, inf = server
     system = {"role": "system", "content": "You are a careful assistant who answers briefly. " * 6}
     msgs = [system, {"role": "user", "content": "Name a fruit."}]
-    first = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0)
+    # a salt of its own: the module's other requests share the template's first tokens, and a hit
+    # reuses every token a prompt shares with a cached one, not only whole blocks
+    own = {"cache_salt": "cached-tokens-test"}
+    first = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0, extra_body=own)
     again = client.chat.completions.create(model=NAME, messages=[system, {"role": "user", "content": "Name a tree."}],
-                                           max_tokens=3, temperature=0)
+                                           max_tokens=3, temperature=0, extra_body=own)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     hit = again.usage.prompt_tokens_details.cached_tokens
     assert 128 <= hit < again.usage.prompt_tokens  # the system prompt and the start of the user's turn
     chunks = list(client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+                                                 stream_options={"include_usage": True}, extra_body=own))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= hit
     salted = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0,
                                             extra_body={"cache_salt": "another tenant"})
