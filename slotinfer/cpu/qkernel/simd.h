@@ -73,6 +73,17 @@ QK_AVX2_TARGET QK_INL float reduce128(__m128 s) {  // ((l0+l2)+(l1+l3)) of 4 lan
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+// Q6_K sub-block J = 4 * half + j of a super-block: its 32 six-bit values minus 32, as signed bytes
+template <int half, int j>
+QK_AVX2_TARGET QK_INL __m256i q6k_bytes(const uint8_t* blk) {
+  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (j & 1)));
+  __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
+  if constexpr (j & 2) lo = _mm256_srli_epi16(lo, 4);
+  lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0f));
+  hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * j), _mm256_set1_epi8(3)), 4);
+  return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
 struct Avx2 {
   static constexpr int W = 8, ROWS = 1, PANEL = 2;
   using V = __m256;
@@ -118,12 +129,7 @@ struct Avx2 {
     } else {
       // Q6_K: the 32 six-bit values minus 32 formed in bytes, then widened 8 at a time
       constexpr int half = J >> 2, j = J & 3;
-      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (j & 1)));
-      __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
-      if constexpr (j & 2) lo = _mm256_srli_epi16(lo, 4);
-      lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0f));
-      hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * j), _mm256_set1_epi8(3)), 4);
-      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+      const __m256i q = q6k_bytes<half, j>(blk);
       const __m128i parts[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
       for (int s = 0; s < 4; ++s) {
         __m128i b8 = s & 1 ? _mm_srli_si128(parts[s >> 1], 8) : parts[s >> 1];
@@ -248,12 +254,7 @@ struct Avx512 {
     } else {
       // Q6_K: the 32 six-bit values minus 32 formed in bytes, then widened 16 at a time
       constexpr int half = J >> 2, j = J & 3;
-      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (j & 1)));
-      __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
-      if constexpr (j & 2) lo = _mm256_srli_epi16(lo, 4);
-      lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0f));
-      hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2 * j), _mm256_set1_epi8(3)), 4);
-      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+      const __m256i q = q6k_bytes<half, j>(blk);
       w[0] = _mm512_mul_ps(_mm512_set1_ps(ks.a[8 * half + 2 * j]),
                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
       w[1] = _mm512_mul_ps(_mm512_set1_ps(ks.a[8 * half + 2 * j + 1]),
