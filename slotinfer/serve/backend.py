@@ -14,6 +14,8 @@ import time
 
 from .errors import bad_param
 
+ROOM_WAIT_S = 30.0  # the longest a request that fits waits for the worker's next turn to make room
+
 
 class LocalBackend:
     """Requests run on ``inferencer`` (started; closing it stays the caller's), in this process."""
@@ -66,9 +68,11 @@ class LocalBackend:
     async def await_room(self, rows: int):
         """Wait, briefly, while the queue bound is full of rows that free slots await (those this request
         submitted a moment ago, until the worker's next turn moves them), so that a request that fits the
-        server is taken whole.  With no room to come, return at once: the submit that follows is a 429."""
+        server is taken whole.  With no room to come, return at once: the submit that follows is a 429.
+        The worker's turn can take seconds (a long prefill chunk on a loaded CPU): a request that fits
+        is not refused for that, up to ``ROOM_WAIT_S``."""
         bound, slots = self.inf.max_queue, self.inf.engine.slots
-        pause, deadline = 0.001, time.monotonic() + 1.0
+        pause, deadline = 0.001, time.monotonic() + ROOM_WAIT_S
         while bound and time.monotonic() < deadline:
             s = self.inf.stats()
             if s["waiting"] < bound or s["active_slots"] + s["waiting"] + rows > slots + bound:
