@@ -10,8 +10,12 @@ TTFT p50.
 
 ``--part overhead``: one replica behind the ingress against one ``slotinfer serve`` of the same
 engine, random ``--prompt-tokens``-token prompts, ``--gen-tokens`` streamed tokens each, at 1
-and 8 clients in a closed loop; runs alternate (serve, ray, ray, serve, ...) and the figures
-are medians over ``--rounds`` runs of each: tokens/s and TTFT p50, and their ratios.
+and 8 clients in a closed loop; after one unmeasured run of each (the engines compile that load's
+shapes), runs alternate (serve, ray, ray, serve, ...) and the figures are medians over ``--rounds``
+runs of each: tokens/s and TTFT p50, and their ratios.  Beside
+them, the CPU time each side's processes took per generated token (the server's process; the
+replica's, the ingress's and Serve's HTTP proxy's): a figure the machine's other work moves far
+less than the wall-clock ones.
 
     python benchmarks/bench_ray_serve.py
     python benchmarks/bench_ray_serve.py --part routing --routing prefix,round_robin
@@ -126,11 +130,42 @@ def routing_part(args, fleet):
     return out
 
 
+def _processes(server) -> dict:
+    """Each side's process ids by role: the server's; the application's replica and ingress, and Serve's
+    HTTP proxy (Ray names its actors' processes ``ray::ServeReplica:APP:DEPLOYMENT``, ``ray::ProxyActor``)."""
+    roles = {"serve": [server.proc.pid], "replica": [], "ingress": [], "proxy": []}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                line = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # not a process, or it ended
+            continue
+        if line.startswith("ray::ServeReplica:bench:"):
+            roles["ingress" if "slotinfer-ingress" in line else "replica"].append(int(entry))
+        elif line.startswith("ray::ProxyActor"):
+            roles["proxy"].append(int(entry))
+    return roles
+
+
+def _cpu(pids) -> float:
+    """User and system CPU seconds the processes have taken (Linux's /proc; 0 without it)."""
+    total = 0.0
+    if not os.path.isdir("/proc"):
+        return total
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def overhead_part(args, fleet):
     from slotinfer.serve.app import default_name
 
     fleet.run(args.model, 1, "prefix", args.slots, args.max_len)
     server = ServerProcess(args.model, args.slots, args.max_len)
+    roles = _processes(server)
+    sides = {"serve": ["serve"], "ray": ["replica", "ingress", "proxy"]}
     vocab = 1000  # random ids below it: inside any vocabulary
     name = default_name(args.model)
     runs = {}
@@ -138,11 +173,20 @@ def overhead_part(args, fleet):
         for clients in (1, 8):
             per = max(2, 8 // clients)
             prompts = workload(clients, per, args.prompt_tokens, vocab, seed=clients)
+            for url, model in ((server.url, "bench"), (fleet.url, name)):  # unmeasured: each engine compiles
+                asyncio.run(drive_http(url, model, prompts, args.gen_tokens))  # this load's prefill and batch shapes
             for r in range(args.rounds):
                 for where in (["serve", "ray"] if r % 2 == 0 else ["ray", "serve"]):
                     url, model = (server.url, "bench") if where == "serve" else (fleet.url, name)
+                    before = {role: _cpu(roles[role]) for role in sides[where]}
                     got = asyncio.run(drive_http(url, model, prompts, args.gen_tokens))
+                    tokens = got["tokens_per_s"] * got["wall_s"]
+                    got["cpu_ms"] = {role: (_cpu(roles[role]) - t) * 1e3 / tokens for role, t in before.items()}
                     runs.setdefault((clients, where), []).append(got)
+                    print(f"  {clients} clients, {where}: {got['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                          f"{got['ttft_p50'] * 1e3:.0f} ms, CPU ms per token "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in got["cpu_ms"].items())
+                          + f"; load average {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         server.close()
         fleet.delete()
@@ -154,6 +198,17 @@ def overhead_part(args, fleet):
         st, rt = (statistics.median(x["tokens_per_s"] for x in v) for v in (s, r))
         sf, rf = (statistics.median(x["ttft_p50"] for x in v) for v in (s, r))
         print(f"| {clients} | {st:.1f} | {sf * 1e3:.0f} ms | {rt:.1f} | {rf * 1e3:.0f} ms | {rt / st:.2f}x |")
+    if not os.path.isdir("/proc"):
+        return runs  # the CPU figures read Linux's /proc
+    print("\nCPU time per generated token (ms, medians):\n")
+    print("| clients | one serve | Ray: replica | ingress | HTTP proxy | Ray, all three |")
+    print("|---|---|---|---|---|---|")
+    for clients in (1, 8):
+        med = {role: statistics.median(x["cpu_ms"][role] for x in runs[(clients, where)])
+               for where in sides for role in sides[where]}
+        ray_all = statistics.median(sum(x["cpu_ms"].values()) for x in runs[(clients, "ray")])
+        print(f"| {clients} | {med['serve']:.2f} | {med['replica']:.2f} | {med['ingress']:.2f} | {med['proxy']:.2f} "
+              f"| {ray_all:.2f} |")
     return runs
 
 
