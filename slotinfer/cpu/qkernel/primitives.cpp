@@ -30,7 +30,7 @@ Format parse_format(const std::string& name) {
 namespace {
 
 // The columns go to the threads in pieces of whole groups of 8 (a thread never splits a sum).
-constexpr int PIECES = 4;
+constexpr int PIECES = 4, PIECE_GROUPS = 32;
 
 // `spare`: the product is a node of its own in a graph of many (a decode step's separate nodes),
 // whose queueing keeps another thread busy (see below); false inside the fused blocks.
@@ -44,9 +44,11 @@ void run(Format f, const float* x, const uint8_t* W, float* out, int m, int k, i
   // cores, one sequence: 86 tokens/s with the product on one thread, 73 on two; from 8 rows the
   // products are long enough that two threads win, 182 against 138).
   if (spare && m <= g_spare_rows) threads = std::min(threads, std::max(1, g_threads - 1));
-  // PIECES a thread, taken by whichever thread is free: one that starts late (woken from its sleep,
-  // its core taken by the engine's thread or another process) leaves its share to the others
-  const int pieces = threads == 1 ? 1 : std::min(groups, threads * PIECES);
+  // Up to PIECES a thread, of PIECE_GROUPS groups or more (a piece's first groups go without the
+  // prefetch of the groups before them), taken by whichever thread is free: one that starts late
+  // (woken from its sleep, its core taken by the engine's thread or another process) leaves its
+  // share to the others.
+  const int pieces = threads == 1 ? 1 : std::max(threads, std::min(threads * PIECES, groups / PIECE_GROUPS));
   Pieces next(pieces);
   std::function<void(int)> share = [&](int) {
     thread_local std::vector<float> buf;
