@@ -29,9 +29,10 @@ import statistics
 
 import slotinfer  # first: the BLAS before mlx.core
 import mlx.core as mx
-from slotinfer import default_model, engine
+from slotinfer import default_model
 from slotinfer.cli.bench import prompts_of, step_until_idle
 from slotinfer.cpu import qlayers
+from slotinfer.engine import engine
 from slotinfer.kv import paged_attention
 from slotinfer.models import transformer
 

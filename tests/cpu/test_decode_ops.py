@@ -137,6 +137,36 @@ def test_paged_decode_attention_row_alone_equals_batched(kernels, c):
         assert mx.array_equal(alone, batched[i:i + 1]).item(), f"row {i}"
 
 
+@pytest.fixture
+def threads():
+    """Set the extension's thread count for a test; the default back after it."""
+    default = module.threads()
+    yield module.set_threads
+    module.set_threads(default)
+
+
+@given(c=attention_cases(), many=st.sampled_from([2, 3, 4]))
+def test_paged_decode_attention_is_the_same_on_any_thread_count(kernels, threads, c, many):
+    """Bit for bit: the rows, K/V heads and parts of their query heads that go to the pool's threads
+    (as many as the step has, or as few as one row's heads) give one thread's result, each row alone
+    as in the batch."""
+    q, keys, values, tables, mask, lengths = pools(c)
+    args = [mx.array(a) for a in (keys, values)]
+
+    def attend(t, rows, nblk):
+        threads(t)
+        out = module.paged_decode_attention(mx.array(q[rows]), *args, mx.array(tables[rows, :nblk]),
+                                            mx.array(mask[rows, : nblk * c["bs"]]), 1.0 / 8, c["softcap"])
+        mx.eval(out)
+        return out
+
+    everything = slice(None), tables.shape[1]
+    assert mx.array_equal(attend(many, *everything), attend(1, *everything)).item()
+    i = int(np.argmax(lengths))
+    nblk = -(-int(lengths[i]) // c["bs"])
+    assert mx.array_equal(attend(many, slice(i, i + 1), nblk), attend(1, slice(i, i + 1), nblk)).item()
+
+
 def test_paged_decode_attention_reads_strided_queries():
     """Queries as the model gives them (a slice of a transposed projection) are read as their values."""
     c = dict(kvh=2, heads=6, d=64, bs=16, b=3, window=None, softcap=0.0, seed=5)
@@ -219,6 +249,29 @@ def test_attention_half_is_its_separate_nodes_bit_for_bit(kernels, b, kv, d, bs,
     att = module.paged_decode_attention(qk[:, :heads], keys, values, tables, mask, d ** -0.5)
     want_h = x + module.qlinear(att.reshape(b, 1, heads * d), wo, "q8_0")
     assert mx.array_equal(got_h, want_h).item()
+
+
+@given(b=st.integers(1, 3), kv=st.sampled_from([(1, 3), (3, 3), (2, 4)]), many=st.sampled_from([2, 3]),
+       seed=st.integers(0, 2**16))
+def test_attend_out_is_the_same_on_any_thread_count(kernels, threads, b, kv, many, seed):
+    """``attend_out`` (attention on the pool's threads, then o) at 2 or 3 threads is its one-thread
+    result bit for bit, on spans long enough to be split."""
+    rng = np.random.default_rng(seed)
+    kvh, rep = kv
+    heads, hid, d, bs, nblk = kvh * rep, 64, 64, 16, 8
+    blocks = 2 + nblk * b
+    x = mx.array(normal(rng, b, 1, hid))
+    qkv = mx.array(normal(rng, b, 1, (heads + 2 * kvh) * d))
+    wo = quantized(rng, hid, heads * d, "Q4_1")
+    keys, values = mx.array(normal(rng, blocks, kvh, bs, d)), mx.array(normal(rng, blocks, kvh, bs, d))
+    tables = mx.array(rng.permutation(np.arange(2, blocks))[: b * nblk].reshape(b, nblk).astype(np.int32))
+    mask = mx.array(np.arange(nblk * bs)[None] <= rng.integers(0, nblk * bs, size=b)[:, None])
+    got = []
+    for t in (1, many):
+        threads(t)
+        got.append(module.attend_out(qkv, keys, values, tables, mask, wo, "q4_1", x, heads, d ** -0.5))
+        mx.eval(got[-1])
+    assert mx.array_equal(*got).item()
 
 
 @given(rows=st.integers(1, 6), act=st.sampled_from(["silu", "gelu_tanh"]), seed=st.integers(0, 2**16))

@@ -85,82 +85,90 @@ struct AttendJob {
   float softcap;           // 0: none
 };
 
-// Attention of row b's query heads (times scale) over its blocks, a K/V head's query heads together
-// (each key read once for all of them): scores in position order, masked to -inf, soft-capped where
-// asked; e = exp(s - max); out = (sum over positions in order of e_j * v_j) / sum of e_j, positions
-// with e_j = 0 skipped (a masked or underflowed position adds nothing).  DC: the head size when it is
-// known at compile time (the sums then stay in registers), else 0.
+// Attention of row b's query heads r0 .. r1 - 1 of K/V head g (times scale) over its blocks, those
+// heads together (each key read once for all of them): scores in position order, masked to -inf,
+// soft-capped where asked; e = exp(s - max); out = (sum over positions in order of e_j * v_j) / sum
+// of e_j, positions with e_j = 0 skipped (a masked or underflowed position adds nothing).  A head's
+// values are the same whichever heads it goes with.  DC: the head size when it is known at compile
+// time (the sums then stay in registers), else 0.
 template <int DC>
-QK_INLINE void attend_row(const AttendJob& j, int b, std::vector<float>& buf) {
-  const int span = j.nblk * j.bs, rep = j.H / j.kvh, D = DC ? DC : j.D;
+QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, std::vector<float>& buf) {
+  const int span = j.nblk * j.bs, rep = r1 - r0, D = DC ? DC : j.D;
   buf.resize((size_t)rep * (span + D) + D);
-  float* q = buf.data() + (size_t)rep * span;  // [rep, D]: the group's scaled queries
+  float* q = buf.data() + (size_t)rep * span;  // [rep, D]: the heads' scaled queries
   float* acc = q + (size_t)rep * D;             // [D]: a head's weighted sum of values (DC = 0)
   const bool* m = j.mask ? j.mask + (j.mask_per_row ? (size_t)b * span : 0) : nullptr;
   const int32_t* table = j.tables + (size_t)b * j.nblk;
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int g = 0; g < j.kvh; ++g) {
-    const int h0 = g * rep;
-    for (int r = 0; r < rep; ++r) {
-      const float* qh = j.q + (size_t)b * (j.q_stride ? j.q_stride : (int64_t)j.H * D) + (size_t)(h0 + r) * D;
-      for (int d = 0; d < D; ++d) q[r * D + d] = qh[d] * j.scale;
+  const int h0 = g * (j.H / j.kvh) + r0;
+  for (int r = 0; r < rep; ++r) {
+    const float* qh = j.q + (size_t)b * (j.q_stride ? j.q_stride : (int64_t)j.H * D) + (size_t)(h0 + r) * D;
+    for (int d = 0; d < D; ++d) q[r * D + d] = qh[d] * j.scale;
+  }
+  for (int t = 0; t < j.nblk; ++t) {
+    const float* kb = j.keys + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
+    for (int p = 0; p < j.bs; ++p) {
+      const int at = t * j.bs + p;
+      const bool on = !m || m[at];
+      for (int r = 0; r < rep; ++r) {
+        float v = ninf;
+        if (on) {
+          v = dot(q + r * D, kb + (size_t)p * D, D);
+          if (j.softcap != 0.0f) v = std::tanh(v / j.softcap) * j.softcap;
+        }
+        buf[(size_t)r * span + at] = v;
+      }
     }
+  }
+  for (int r = 0; r < rep; ++r) {
+    float* s = buf.data() + (size_t)r * span;
+    float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
+    float top = ninf;
+    for (int i = 0; i < span; ++i) top = std::max(top, s[i]);
+    if (top == ninf) {  // nothing to attend: zeros
+      for (int d = 0; d < D; ++d) o[d] = 0.0f;
+      continue;
+    }
+    for (int i = 0; i < span; ++i) s[i] -= top;
+    exp_inplace(s, span);
+    float sum = 0.0f;
+    float reg[DC ? DC : 1];
+    float* a = DC ? reg : acc;
+    for (int d = 0; d < D; ++d) a[d] = 0.0f;
     for (int t = 0; t < j.nblk; ++t) {
-      const float* kb = j.keys + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
+      const float* vb = j.values + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
       for (int p = 0; p < j.bs; ++p) {
-        const int at = t * j.bs + p;
-        const bool on = !m || m[at];
-        for (int r = 0; r < rep; ++r) {
-          float v = ninf;
-          if (on) {
-            v = dot(q + r * D, kb + (size_t)p * D, D);
-            if (j.softcap != 0.0f) v = std::tanh(v / j.softcap) * j.softcap;
-          }
-          buf[(size_t)r * span + at] = v;
-        }
+        const float e = s[t * j.bs + p];
+        if (e == 0.0f) continue;
+        sum += e;
+        const float* v = vb + (size_t)p * D;
+        for (int d = 0; d < D; ++d) a[d] += e * v[d];
       }
     }
-    for (int r = 0; r < rep; ++r) {
-      float* s = buf.data() + (size_t)r * span;
-      float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
-      float top = ninf;
-      for (int i = 0; i < span; ++i) top = std::max(top, s[i]);
-      if (top == ninf) {  // nothing to attend: zeros
-        for (int d = 0; d < D; ++d) o[d] = 0.0f;
-        continue;
-      }
-      for (int i = 0; i < span; ++i) s[i] -= top;
-      exp_inplace(s, span);
-      float sum = 0.0f;
-      float reg[DC ? DC : 1];
-      float* a = DC ? reg : acc;
-      for (int d = 0; d < D; ++d) a[d] = 0.0f;
-      for (int t = 0; t < j.nblk; ++t) {
-        const float* vb = j.values + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
-        for (int p = 0; p < j.bs; ++p) {
-          const float e = s[t * j.bs + p];
-          if (e == 0.0f) continue;
-          sum += e;
-          const float* v = vb + (size_t)p * D;
-          for (int d = 0; d < D; ++d) a[d] += e * v[d];
-        }
-      }
-      for (int d = 0; d < D; ++d) o[d] = a[d] / sum;
+    for (int d = 0; d < D; ++d) o[d] = a[d] / sum;
+  }
+}
+
+// Units [u0, u1) of an attention job of `split` units a K/V head: unit u is row u / (kvh split),
+// K/V head (u / split) mod kvh, and the split-th part of that head's query heads (split divides
+// H / kvh; 1: all of them together).
+QK_INLINE void attend_units_body(const AttendJob& j, int split, int u0, int u1) {
+  thread_local std::vector<float> s;
+  const int per = j.H / j.kvh / split;
+  for (int u = u0; u < u1; ++u) {
+    const int part = u % split, g = (u / split) % j.kvh, b = u / split / j.kvh;
+    const int r0 = part * per, r1 = r0 + per;
+    switch (j.D) {
+      case 64: attend_heads<64>(j, b, g, r0, r1, s); break;
+      case 128: attend_heads<128>(j, b, g, r0, r1, s); break;
+      case 256: attend_heads<256>(j, b, g, r0, r1, s); break;
+      default: attend_heads<0>(j, b, g, r0, r1, s);
     }
   }
 }
 
-QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) {
-  thread_local std::vector<float> s;
-  for (int b = b0; b < b1; ++b) {
-    switch (j.D) {
-      case 64: attend_row<64>(j, b, s); break;
-      case 128: attend_row<128>(j, b, s); break;
-      case 256: attend_row<256>(j, b, s); break;
-      default: attend_row<0>(j, b, s);
-    }
-  }
-}
+// Rows [b0, b1), each K/V head's query heads together
+QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) { attend_units_body(j, 1, b0 * j.kvh, b1 * j.kvh); }
 
 // The gated activations of the MLP on rows of [gate | up] (each n wide) into y [rows, n]:
 // silu(g) * u = (g / (1 + e^-g)) * u, or gelu_tanh(g) * u = sigmoid(2a) * g * u with

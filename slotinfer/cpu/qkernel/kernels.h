@@ -55,9 +55,12 @@ inline void columns(const Job& job, std::vector<float>& buf) {
   }
 }
 
-inline void attend_rows(const AttendJob& j, int b0, int b1) {
-  on_isa([&](auto k) { k.attend_rows(j, b0, b1); });
+// Units [u0, u1) of an attention job whose K/V heads' query heads go in `split` parts (decode_ops.h)
+inline void attend_units(const AttendJob& j, int split, int u0, int u1) {
+  on_isa([&](auto k) { k.attend_units(j, split, u0, u1); });
 }
+
+inline void attend_rows(const AttendJob& j, int b0, int b1) { attend_units(j, 1, b0 * j.kvh, b1 * j.kvh); }
 
 inline void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int n, float eps) {
   on_isa([&](auto k) { k.rms_norm_rows(x, w, y, rows, n, eps); });

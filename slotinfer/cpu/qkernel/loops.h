@@ -169,7 +169,9 @@ struct Kernels<QK_ISA> {
       case Format::Q6_K: return panels<Format::Q6_K, I::PANEL>(job, buf);
     }
   }
-  QK_TARGET static void attend_rows(const AttendJob& j, int b0, int b1) { attend_rows_body(j, b0, b1); }
+  QK_TARGET static void attend_units(const AttendJob& j, int split, int u0, int u1) {
+    attend_units_body(j, split, u0, u1);
+  }
   QK_TARGET static void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int n, float eps) {
     rms_norm_body(x, w, y, rows, n, eps);
   }

@@ -29,7 +29,9 @@ Format parse_format(const std::string& name) {
 
 namespace {
 
-// The columns go to the threads in whole groups of 8 (a thread never splits a sum).
+// The columns go to the threads in pieces of whole groups of 8 (a thread never splits a sum).
+constexpr int PIECES = 4, PIECE_GROUPS = 32;
+
 // `spare`: the product is a node of its own in a graph of many (a decode step's separate nodes),
 // whose queueing keeps another thread busy (see below); false inside the fused blocks.
 void run(Format f, const float* x, const uint8_t* W, float* out, int m, int k, int n, bool spare = false) {
@@ -42,11 +44,19 @@ void run(Format f, const float* x, const uint8_t* W, float* out, int m, int k, i
   // cores, one sequence: 86 tokens/s with the product on one thread, 73 on two; from 8 rows the
   // products are long enough that two threads win, 182 against 138).
   if (spare && m <= g_spare_rows) threads = std::min(threads, std::max(1, g_threads - 1));
-  std::function<void(int)> share = [&](int t) {
+  // Up to PIECES a thread, of PIECE_GROUPS groups or more (a piece's first groups go without the
+  // prefetch of the groups before them), taken by whichever thread is free: one that starts late
+  // (woken from its sleep, its core taken by the engine's thread or another process) leaves its
+  // share to the others.
+  const int pieces = threads == 1 ? 1 : std::max(threads, std::min(threads * PIECES, groups / PIECE_GROUPS));
+  Pieces next(pieces);
+  std::function<void(int)> share = [&](int) {
     thread_local std::vector<float> buf;
-    int j0 = std::min(n, (int)((long)groups * t / threads) * GROUP);
-    int j1 = std::min(n, (int)((long)groups * (t + 1) / threads) * GROUP);
-    if (j0 < j1) columns(Job{f, x, W, out, m, k, n, j0, j1}, buf);
+    for (int p; (p = next.next()) >= 0;) {
+      int j0 = std::min(n, (int)((long)groups * p / pieces) * GROUP);
+      int j1 = std::min(n, (int)((long)groups * (p + 1) / pieces) * GROUP);
+      if (j0 < j1) columns(Job{f, x, W, out, m, k, n, j0, j1}, buf);
+    }
   };
   g_pool->run(threads, share);
 }
@@ -137,6 +147,29 @@ AttendJob attend_job(int B, int heads, const mx::array& keys, const mx::array& t
   return j;
 }
 
+// Attention of the job's rows on the pool's threads: its units (a row's K/V head, or a part of its
+// query heads where there are too few rows and K/V heads to go round) each to the first free
+// thread.  A head's values do not depend on the heads beside it, nor on the thread: the same result
+// for any split, row count or thread count.
+void attend_pooled(const AttendJob& j) {
+  const int rep = j.H / j.kvh;
+  int threads = std::max(1, g_threads);
+  // below ~16k multiply-adds of scores a thread's share saves less than handing it over costs
+  if ((long)j.B * j.H * j.nblk * j.bs * j.D < 16384L) threads = 1;
+  int split = 1;
+  while (threads > 1 && (long)j.B * j.kvh * split < 4L * threads && split < rep) {
+    do ++split;
+    while (rep % split != 0);
+  }
+  const int units = j.B * j.kvh * split;
+  if (threads == 1 || units == 1) return attend_rows(j, 0, j.B);
+  Pieces next(units);
+  std::function<void(int)> share = [&](int) {
+    for (int u; (u = next.next()) >= 0;) attend_units(j, split, u, u + 1);
+  };
+  g_pool->run(std::min(threads, units), share);
+}
+
 class PagedDecodeAttention : public Rowwise {
  public:
   PagedDecodeAttention(mx::Stream s, float scale, float softcap) : Rowwise(s), scale_(scale), softcap_(softcap) {}
@@ -161,7 +194,7 @@ class PagedDecodeAttention : public Rowwise {
       j.tables = static_cast<const int32_t*>(o[0]);
       j.mask = masked ? static_cast<const bool*>(o[1]) : nullptr;
       j.out = out;
-      attend_rows(j, 0, j.B);
+      attend_pooled(j);
     };
   }
 
@@ -257,7 +290,7 @@ class AttendOut : public Rowwise {
       j.tables = static_cast<const int32_t*>(o[0]);
       j.mask = static_cast<const bool*>(o[1]);
       j.out = att.data();
-      attend_rows(j, 0, j.B);
+      attend_pooled(j);
       run(f, att.data(), static_cast<const uint8_t*>(o[2]), y.data(), j.B, j.H * j.D, hid);
       for (size_t i = 0; i < (size_t)j.B * hid; ++i) out[i] = fp[3][i] + y[i];
     };

@@ -233,7 +233,7 @@ constexpr int PREFETCH = 3;
 inline void prefetch_group(const Job& job, int j, int C, size_t row_bytes, int b, int bb) {
 #ifdef QK_X86
   const int ahead = j + C * PREFETCH;
-  if (ahead + C > job.j1) return;
+  if (ahead + C > job.n) return;  // past the share, into another thread's: the lines it will read
   const char* at = reinterpret_cast<const char*>(job.W + (size_t)ahead * row_bytes + (size_t)b * C * bb);
   for (int off = 0; off < C * bb; off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
 #else
