@@ -179,7 +179,7 @@ mx::array prefill_attention(const mx::array& q, const mx::array& keys, const mx:
   const int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3), S = keys.shape(2);
   if (keys.shape(0) != B || keys.shape(3) != D || keys.shape(1) < 1 || H % keys.shape(1) != 0)
     throw std::invalid_argument("keys must be [B, kv_heads, S, D] with kv_heads dividing q's heads");
-  if (D % 32 != 0) throw std::invalid_argument("the head size must be a multiple of 32, got " + std::to_string(D));
+  if (D < 1) throw std::invalid_argument("the head size must be at least 1");
   std::vector<mx::array> in{q, keys, values};
   if (mask) {
     if (mask->dtype() != mx::bool_ || mask->ndim() != 3 || (mask->shape(0) != 1 && mask->shape(0) != B) ||

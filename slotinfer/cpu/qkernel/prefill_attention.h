@@ -24,8 +24,7 @@ namespace mx = mlx::core;
 
 inline constexpr int KEY_BLOCK = 64;  // keys per block of the running softmax: fixed, counted from 0
 
-// q [B, H, L, D], keys and values [B, kv_heads, S, D] (grouped-query heads), float32, D a multiple
-// of 32.  mask: None (every key, or with `causal` key j seen by query i when j <= i + S - L) or
+// q [B, H, L, D], keys and values [B, kv_heads, S, D] (grouped-query heads), float32.  mask: None (every key, or with `causal` key j seen by query i when j <= i + S - L) or
 // bool [B or 1, L, S].  Scores are (q * scale) . k, soft-capped where softcap > 0.  A query that sees
 // no key gets zeros.  Returns [B, H, L, D].
 mx::array prefill_attention(const mx::array& q, const mx::array& keys, const mx::array& values,

@@ -18,7 +18,6 @@ struct PrefillKernels<QK_ISA> {
   static constexpr int W = I::W;
   static constexpr int R = W == 16 ? 8 : 3;  // query vectors per micro-tile
   static constexpr int NC = 32 / W;          // key vectors of a scores micro-tile (32 keys)
-  static constexpr int CV = W == 16 ? 2 : 4;  // value vectors of a product micro-tile (32 features)
 
   // R query vectors (D apart) against the 32 keys at kt + c0 of a transposed block kt [D][KEY_BLOCK]
   QK_TARGET static QK_INL void scores(const float* qs, int D, const float* kt, int c0, float* s) {
@@ -37,7 +36,9 @@ struct PrefillKernels<QK_ISA> {
       for (int c = 0; c < NC; ++c) I::store(s + (size_t)r * KEY_BLOCK + c0 + c * W, acc[r][c]);
   }
 
-  // o[r][d0 ..] of R query vectors: the block's weighted values (nk keys, rows D apart) plus o * a
+  // o[r][d0 .. d0 + CV * W) of R query vectors: the block's weighted values (nk keys, rows D apart)
+  // plus o * a
+  template <int CV>
   QK_TARGET static QK_INL void values(const float* p, const float* vb, int nk, int D, int d0, const float* a,
                                       float* o) {
     V acc[R][CV];
@@ -146,10 +147,20 @@ struct PrefillKernels<QK_ISA> {
       }
       if (!any) continue;  // every query of the tile stays as it is
       const float* vb = Vv + (size_t)j0 * D;
-      for (int n0 = 0; n0 < NP; n0 += R)
-        for (int d0 = 0; d0 < D; d0 += CV * W)
-          values(sc.s.data() + (size_t)n0 * KEY_BLOCK, vb, nk, D, d0, sc.a.data() + n0,
-                 sc.o.data() + (size_t)n0 * D);
+      for (int n0 = 0; n0 < NP; n0 += R) {
+        const float* p = sc.s.data() + (size_t)n0 * KEY_BLOCK;
+        float* o = sc.o.data() + (size_t)n0 * D;
+        // the features in chunks fixed by D alone: 32 at a time, then 16, then one by one
+        int d0 = 0;
+        for (; d0 + 32 <= D; d0 += 32) values<32 / W>(p, vb, nk, D, d0, sc.a.data() + n0, o);
+        for (; d0 + 16 <= D; d0 += 16) values<16 / W>(p, vb, nk, D, d0, sc.a.data() + n0, o);
+        for (; d0 < D; ++d0)
+          for (int r = 0; r < R; ++r) {
+            float acc = 0.0f;
+            for (int x = 0; x < nk; ++x) acc += vb[(size_t)x * D + d0] * p[(size_t)r * KEY_BLOCK + x];
+            o[(size_t)r * D + d0] = acc + o[(size_t)r * D + d0] * sc.a[n0 + r];
+          }
+      }
     }
     for (int n = 0; n < N; ++n) {
       const int i = a0 + n / rep, r = n % rep;
