@@ -6,7 +6,7 @@
 // (rep of them): N = rep * (a1 - a0) query vectors, padded to a multiple of R.  For each key block:
 //   scores  s[n][j] = sum over d in order of k[j][d] * qs[n][d]   (qs = q * scale, rounded)
 //   then per query: soft-cap, mask to -inf, m' = max(m, max_j s), e_j = exp(s_j - m'),
-//   a = exp(m - m') (1 where m' = m), l = l * a + (sum over j in order of e_j),
+//   a = exp(m - m') (1 where m' = m), l = l * a + (sum of e_j: 16 lanes, then a fixed tree),
 //   o[n][d] = (sum over j in order of e_j * v[j][d]) + o[n][d] * a
 // and at the end out = o / l.  Each query vector's arithmetic is its own: the micro-tiles only
 // decide which of them share a register pass.
@@ -59,6 +59,27 @@ struct PrefillKernels<QK_ISA> {
         I::store(at, I::fma(I::load(at), ab, acc[r][c]));
       }
     }
+  }
+
+  // the max of a block's scores, and the sum of its weights: 16 lanes (lane l takes x = l mod 16),
+  // then a fixed tree
+  QK_TARGET static QK_INL float block_max(const float* s) {
+    float m[16];
+    for (int l = 0; l < 16; ++l) m[l] = s[l];
+    for (int x = 16; x < KEY_BLOCK; x += 16)
+      for (int l = 0; l < 16; ++l) m[l] = m[l] > s[x + l] ? m[l] : s[x + l];
+    for (int w = 8; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) m[l] = m[l] > m[l + w] ? m[l] : m[l + w];
+    return m[0];
+  }
+  QK_TARGET static QK_INL float block_sum(const float* s) {
+    float a[16];
+    for (int l = 0; l < 16; ++l) a[l] = s[l];
+    for (int x = 16; x < KEY_BLOCK; x += 16)
+      for (int l = 0; l < 16; ++l) a[l] += s[x + l];
+    for (int w = 8; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) a[l] += a[l + w];
+    return a[0];
   }
 
   QK_TARGET static void item(const PrefillJob& j, int b, int g, int a0, int a1, PrefillScratch& sc) {
@@ -119,8 +140,7 @@ struct PrefillKernels<QK_ISA> {
           for (int x = f; x < e; ++x)
             if (!mk[x]) s[x] = ninf;
         }
-        float top = ninf;
-        for (int x = 0; x < KEY_BLOCK; ++x) top = std::max(top, s[x]);
+        const float top = block_max(s);
         const float mn = std::max(sc.m[n], top);
         if (mn == ninf) {  // nothing seen yet
           for (int x = 0; x < KEY_BLOCK; ++x) s[x] = 0.0f;
@@ -139,8 +159,7 @@ struct PrefillKernels<QK_ISA> {
         }
         for (int x = 0; x < KEY_BLOCK; ++x) s[x] -= mn;
         exp_inplace(s, KEY_BLOCK);
-        float t = 0.0f;
-        for (int x = 0; x < KEY_BLOCK; ++x) t += s[x];
+        const float t = block_sum(s);
         sc.l[n] = sc.l[n] * a + t;
         sc.m[n] = mn;
         sc.a[n] = a;
