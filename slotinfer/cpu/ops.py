@@ -12,7 +12,9 @@ device it runs on; :func:`slotinfer.device.model_ops` picks one per device:
   once per decode step instead of once per layer.  Where slotinfer's native extension is
   built (:mod:`.qkernel`), RMSNorm, rope from a step's tables and a decode step's attention
   over pool blocks are its primitives, one MLX node each where the ops above take five to
-  thirty-five: at one row a decode step's cost is MLX's cost per node.
+  thirty-five: at one row a decode step's cost is MLX's cost per node.  So is a long
+  prefill's attention: tiles of queries over fixed key blocks with a running softmax, where
+  MLX's ops pass over each tile's scores several times.
 
 Both compute the same functions (``tests/cpu/test_fastmath.py`` holds them to float32
 tolerance); they differ in speed only.
@@ -131,8 +133,7 @@ def _prefill_attention(module, q, k, v, scale, mask, softcap):
     """A prefill's attention by the extension's primitive (one node, K/V read a block at a time
     for a tile of queries: qkernel/prefill_attention.h), or None where it does not apply: other
     dtypes than float32, masks of other shapes than ``attend``'s."""
-    B, H, L, D = q.shape
-    S = k.shape[2]
+    B, L, S = q.shape[0], q.shape[2], k.shape[2]
     if q.dtype != mx.float32 or k.dtype != mx.float32 or v.dtype != mx.float32:
         return None
     causal = isinstance(mask, str)
