@@ -27,6 +27,7 @@ struct PrefillJob {
   const bool* mask;     // [Bm, L, S] or nullptr
   const int* first;     // [Bm, L]: each query's first visible key
   const int* last;      // [Bm, L]: one past its last visible key
+  const uint8_t* gaps;  // [Bm, L]: whether the mask hides keys between them (else it is not read)
   float* out;           // [B, H, L, D]
   int B, H, kvh, L, S, D, Bm;
   float scale, softcap;
@@ -82,10 +83,14 @@ void prefill_item(const PrefillJob& j, int b, int g, int a0, int a1, PrefillScra
   }
 }
 
-// Each query's first visible key and one past its last, from the mask (or the causal rule).
-void reach(const PrefillJob& j, bool causal, std::vector<int>& first, std::vector<int>& last) {
+// Each query's first visible key and one past its last, from the mask (or the causal rule), and
+// whether the mask hides keys between them: where it does not (causal and window masks), the
+// loops need not read it.
+void reach(const PrefillJob& j, bool causal, std::vector<int>& first, std::vector<int>& last,
+           std::vector<uint8_t>& gaps) {
   first.assign((size_t)j.Bm * j.L, 0);
   last.assign((size_t)j.Bm * j.L, j.S);
+  gaps.assign((size_t)j.Bm * j.L, 0);
   for (int b = 0; b < j.Bm; ++b)
     for (int i = 0; i < j.L; ++i) {
       const size_t at = (size_t)b * j.L + i;
@@ -96,6 +101,7 @@ void reach(const PrefillJob& j, bool causal, std::vector<int>& first, std::vecto
         while (e > f && !m[e - 1]) --e;
         first[at] = f;
         last[at] = e;
+        for (int x = f; x < e; ++x) gaps[at] |= !m[x];
       } else if (causal) {
         last[at] = std::max(0, std::min(j.S, i + j.S - j.L + 1));
       }
@@ -108,9 +114,11 @@ int tile_positions(int rep, int L) { return std::max(1, std::min(L, 128 / std::m
 
 void run_prefill(PrefillJob j, bool causal) {
   std::vector<int> first, last;
-  reach(j, causal, first, last);
+  std::vector<uint8_t> gaps;
+  reach(j, causal, first, last, gaps);
   j.first = first.data();
   j.last = last.data();
+  j.gaps = gaps.data();
   const int rep = j.H / j.kvh, T = tile_positions(rep, j.L), tiles = (j.L + T - 1) / T;
   const int per_tile = j.B * j.kvh, items = tiles * per_tile;
   // the last tiles reach the most keys: handed out first, so the threads end together

@@ -135,7 +135,7 @@ struct PrefillKernels<QK_ISA> {
           for (int x = f; x < e; ++x) s[x] = std::tanh(s[x] / j.softcap) * j.softcap;
         for (int x = 0; x < f; ++x) s[x] = ninf;
         for (int x = e; x < KEY_BLOCK; ++x) s[x] = ninf;
-        if (j.mask) {
+        if (j.mask && j.gaps[mr]) {
           const bool* mk = j.mask + mr * j.S + j0;
           for (int x = f; x < e; ++x)
             if (!mk[x]) s[x] = ninf;
