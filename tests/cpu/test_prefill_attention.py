@@ -20,8 +20,9 @@ module = qkernel.load()
 pytestmark = pytest.mark.skipif(module is None, reason=f"the qkernel extension is {qkernel.status()}")
 
 
-def case(seed, B, L, S, kvh=2, rep=3, D=32, window=None):
-    """Queries of B rows, each a chunk of L positions from a start of its own, over S keys."""
+def case(seed, B, L, S, kvh=2, rep=3, D=32, window=None, holes=False):
+    """Queries of B rows, each a chunk of L positions from a start of its own, over S keys; with
+    ``holes``, some earlier keys of each row hidden too (padding columns between segments)."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((B, kvh * rep, L, D)).astype(np.float32)
     k = rng.standard_normal((B, kvh, S, D)).astype(np.float32)
@@ -32,6 +33,8 @@ def case(seed, B, L, S, kvh=2, rep=3, D=32, window=None):
     mask = keys <= q_pos[:, :, None]
     if window is not None:
         mask &= keys > q_pos[:, :, None] - window
+    if holes:
+        mask &= (rng.random((B, 1, S)) > 0.3) | (keys == q_pos[:, :, None])
     return mx.array(q), mx.array(k), mx.array(v), mx.array(mask)  # mask [B, L, S]
 
 
@@ -54,20 +57,21 @@ def native(q, k, v, mask, softcap=None, causal=False):
 
 @given(seed=st.integers(0, 2**16), B=st.integers(1, 3), L=st.integers(2, 90), extra=st.integers(0, 300),
        heads=st.sampled_from([(2, 3), (1, 1), (4, 2), (1, 8)]), D=st.sampled_from([16, 24, 64]),
-       softcap=st.sampled_from([None, 30.0]), window=st.sampled_from([None, 1, 40, 100]))
-def test_matches_the_float64_softmax(kernels, seed, B, L, extra, heads, D, softcap, window):
-    q, k, v, mask = case(seed, B, L, L + extra, *heads, D=D, window=window)
+       softcap=st.sampled_from([None, 30.0]), window=st.sampled_from([None, 1, 40, 100]), holes=st.booleans())
+def test_matches_the_float64_softmax(kernels, seed, B, L, extra, heads, D, softcap, window, holes):
+    q, k, v, mask = case(seed, B, L, L + extra, *heads, D=D, window=window, holes=holes)
     got = native(q, k, v, mask, softcap)
     np.testing.assert_allclose(got, reference(q, k, v, mask, 0.2, softcap), rtol=2e-5, atol=2e-5)
 
 
 @given(seed=st.integers(0, 2**16), B=st.integers(2, 3), L=st.integers(2, 200), extra=st.integers(0, 300),
        cut=st.integers(1, 199), more=st.integers(1, 200), window=st.sampled_from([None, 50]),
-       softcap=st.sampled_from([None, 30.0]))
-def test_a_query_is_the_same_in_any_tile_call_or_batch(kernels, seed, B, L, extra, cut, more, window, softcap):
+       softcap=st.sampled_from([None, 30.0]), holes=st.booleans())
+def test_a_query_is_the_same_in_any_tile_call_or_batch(kernels, seed, B, L, extra, cut, more, window, softcap,
+                                                       holes):
     """Row 0 alone; its later queries alone (they share their tiles with other queries); with masked
     keys appended (a longer span); on one thread: the same bits as in the batch."""
-    q, k, v, mask = case(seed, B, L, L + extra, window=window)
+    q, k, v, mask = case(seed, B, L, L + extra, window=window, holes=holes)
     whole = native(q, k, v, mask, softcap)
     np.testing.assert_array_equal(native(q[:1], k[:1], v[:1], mask[:1], softcap), whole[:1])
     cut = min(cut, L - 1)
