@@ -51,9 +51,11 @@ if sys.platform == "linux":
     # sources, include dirs and the mlx library are filled in by BuildExt once mlx and nanobind import
     # module.cpp: the nanobind module; primitives.cpp: the MLX primitives; the headers: the thread
     # pool (pool.h), the primitives' base (rowwise.h) and the loops (kernels.h and what it includes)
-    QKERNEL_SOURCES = [os.path.join(QKERNEL_DIR, f) for f in ("module.cpp", "primitives.cpp")]
+    QKERNEL_SOURCES = [os.path.join(QKERNEL_DIR, f) for f in ("module.cpp", "primitives.cpp",
+                                                                   "prefill_attention.cpp")]
     QKERNEL_HEADERS = [os.path.join(QKERNEL_DIR, f) for f in ("decode_ops.h", "kernels.h", "loops.h", "pool.h",
-                                                               "primitives.h", "qkernels.h", "rowwise.h", "simd.h")]
+                                                               "prefill_attention.h", "prefill_loops.h", "primitives.h",
+                                                               "qkernels.h", "rowwise.h", "simd.h")]
     ext_modules.append(Extension(QKERNEL, list(QKERNEL_SOURCES), language="c++", depends=QKERNEL_HEADERS,
                                  optional=True))
 

@@ -12,7 +12,9 @@ device it runs on; :func:`slotinfer.device.model_ops` picks one per device:
   once per decode step instead of once per layer.  Where slotinfer's native extension is
   built (:mod:`.qkernel`), RMSNorm, rope from a step's tables and a decode step's attention
   over pool blocks are its primitives, one MLX node each where the ops above take five to
-  thirty-five: at one row a decode step's cost is MLX's cost per node.
+  thirty-five: at one row a decode step's cost is MLX's cost per node.  So is a long
+  prefill's attention: tiles of queries over fixed key blocks with a running softmax, where
+  MLX's ops pass over each tile's scores several times.
 
 Both compute the same functions (``tests/cpu/test_fastmath.py`` holds them to float32
 tolerance); they differ in speed only.
@@ -49,7 +51,9 @@ class Ops:
     tables, mask, scale, softcap)``: when set, the attention of one new token per row over pool
     blocks (see :func:`slotinfer.kv.paged_attend`), float32; ``fused_block(block, x, ctx)``: when
     set, a decoder block's output as native nodes, or None where it does not apply
-    (:mod:`.fused`).
+    (:mod:`.fused`); ``prefill_attention(q, k, v, scale, mask, softcap)``: when set, a long
+    prefill's attention as ``attend`` takes it, or None where it does not apply (then the
+    tiled path serves: :mod:`slotinfer.models.tiled_attention`).
     """
 
     name: str
@@ -64,6 +68,7 @@ class Ops:
     rope_apply: Callable | None = None
     paged_decode: Callable | None = None
     fused_block: Callable | None = None
+    prefill_attention: Callable | None = None
 
 
 def _gelu_arg(g):  # gelu_tanh(g) = 0.5 g (1 + tanh(a))
@@ -120,4 +125,27 @@ def cpu_ops(attention_streams: int = 1, native: bool = True) -> Ops:
         return module.paged_decode_attention(q, keys, values, tables.astype(mx.int32), mask, scale, softcap or 0.0)
 
     return dataclasses.replace(ops, rms_norm=rms_norm, rope_apply=module.rope_apply,
-                               paged_decode=paged_decode, fused_block=functools.partial(fused.block, module))
+                               paged_decode=paged_decode, fused_block=functools.partial(fused.block, module),
+                               prefill_attention=functools.partial(_prefill_attention, module))
+
+
+def _prefill_attention(module, q, k, v, scale, mask, softcap):
+    """A prefill's attention by the extension's primitive (one node, K/V read a block at a time
+    for a tile of queries: qkernel/prefill_attention.h), or None where it does not apply: other
+    dtypes than float32, masks of other shapes than ``attend``'s."""
+    B, L, S = q.shape[0], q.shape[2], k.shape[2]
+    if q.dtype != mx.float32 or k.dtype != mx.float32 or v.dtype != mx.float32:
+        return None
+    causal = isinstance(mask, str)
+    if causal:
+        if mask != "causal":
+            return None
+        mask = None
+    elif mask is not None:  # broadcastable to [B, 1, L, S]: taken as [B or 1, L, S]
+        if mask.dtype != mx.bool_ or mask.ndim > 4:
+            return None
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+        if mask.shape[0] not in (1, B) or mask.shape[1] != 1:
+            return None
+        mask = mx.broadcast_to(mask[:, 0], (mask.shape[0], L, S))
+    return module.prefill_attention(q, k, v, mask, scale, softcap or 0.0, causal=causal)

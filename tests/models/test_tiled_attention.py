@@ -1,6 +1,8 @@
 """A prefill's tiled attention (models/tiled_attention.py): close to the float64 softmax, and a
 query's output the same bit for bit whatever shares its tile or its call."""
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from slotinfer import device
 from slotinfer.models import tiled_attention as TA
 from slotinfer.models.transformer import attend
 
-OPS = device.model_ops()
+OPS = dataclasses.replace(device.model_ops(), prefill_attention=None)  # the tiled path, native one aside
 pytestmark = pytest.mark.skipif(OPS.shifted_exp is None, reason="the tiled path serves the CPU policy's ops")
 
 

@@ -1,9 +1,11 @@
 """slotinfer's native CPU extension.  Quantized linear layers: ``x @ dequant(W).T`` as an MLX
 primitive, W in GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks as the file stores them, float32 activations and
 accumulation.  And a decode step's RMSNorm, rope from tables and attention over pool blocks, one
-MLX node each (``decode_ops.h``; the CPU ops use them: :func:`slotinfer.cpu.ops.cpu_ops`).
+MLX node each (``decode_ops.h``), and a prefill's attention (``prefill_attention.h``); the CPU ops
+use them: :func:`slotinfer.cpu.ops.cpu_ops`.
 
-The extension (``module.cpp``, ``primitives.cpp``, loops in ``kernels.h``) is compiled when
+The extension (``module.cpp``, ``primitives.cpp``, ``prefill_attention.cpp``, loops in ``kernels.h``
+and ``prefill_loops.h``) is compiled when
 slotinfer is installed (``setup.py``), against the mlx wheel of the build environment; :func:`load`
 imports it on first use, and only under that same mlx version.  Where it is missing or unusable,
 :func:`load` returns None and :func:`status` says why: the CPU policy then computes these layers in

@@ -11,6 +11,7 @@
 #include <nanobind/stl/variant.h>
 
 #include "pool.h"
+#include "prefill_attention.h"
 #include "primitives.h"
 #include "qkernels.h"
 
@@ -34,6 +35,11 @@ NB_MODULE(_qkernel, m) {
         "scale"_a, "softcap"_a = 0.0f, nb::kw_only(), "stream"_a = nb::none(),
         "softmax attention of q [B, heads, 1, D] (times scale) over the blocks tables [B, n] of pools "
         "[blocks, kv_heads, block_size, D]; mask: bool [B or 1, ..., n * block_size] or None");
+  m.def("prefill_attention", &prefill_attention, "q"_a, "keys"_a, "values"_a, "mask"_a.none(), "scale"_a,
+        "softcap"_a = 0.0f, "causal"_a = false, nb::kw_only(), "stream"_a = nb::none(),
+        "causal softmax attention of a prefill's q [B, heads, L, D] (times scale) over keys, values "
+        "[B, kv_heads, S, D]; mask: bool [B or 1, L, S], or None with causal (key j seen by query i when "
+        "j <= i + S - L) or without (every key)");
   m.def("qkv_rope", &qkv_rope, "x"_a, "w_norm"_a, "eps"_a, "w_qkv"_a, "fmt_qkv"_a, "cos"_a, "sin"_a, "heads"_a,
         "kv_heads"_a, nb::kw_only(), "qkv_bias"_a.none() = nb::none(), "qk_norm"_a.none() = nb::none(),
         "stream"_a = nb::none(),
