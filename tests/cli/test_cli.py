@@ -108,7 +108,10 @@ def test_ctrl_c_during_classify_writes_what_is_done_and_a_rerun_finishes_it(mode
     src.write_text("".join(" ".join(rng.choice(words) for _ in range(8)) + "\n" for _ in range(3000)))
     command = [sys.executable, "-m", "slotinfer", "classify", "--model", str(model_dir("qwen3")),
                "--labels", "very good,quite bad", "--output", str(dest), "-q", str(src)]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child, as from a terminal (a runner started in the background
+    # of a script passes it on ignored, and Python then keeps it ignored)
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     end = time.monotonic() + 120
     while not dest.exists() or dest.read_bytes().count(b"\n") < 300:
         assert proc.poll() is None and time.monotonic() < end, proc.stderr.read()

@@ -357,7 +357,8 @@ def test_ctrl_c_exits_130_in_one_line_and_the_run_resumes(folder, tmp_path):
     args = ["classify", "--model", folder, "--labels", "yes,no", "--label-prefix", " ", "-q", "--chunk", "64", "--output",
             out, src]
     proc = subprocess.Popen([sys.executable, "-m", "slotinfer", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # SIGINT at its default, as from a terminal
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
     while not (out.exists() and out.stat().st_size > 0) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
