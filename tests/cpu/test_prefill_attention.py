@@ -6,6 +6,7 @@ not built (the tiled path then serves, tests/models/test_tiled_attention.py)."""
 
 import numpy as np
 import pytest
+from attention_fixtures import reference
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -36,19 +37,6 @@ def case(seed, B, L, S, kvh=2, rep=3, D=32, window=None, holes=False):
     if holes:
         mask &= (rng.random((B, 1, S)) > 0.3) | (keys == q_pos[:, :, None])
     return mx.array(q), mx.array(k), mx.array(v), mx.array(mask)  # mask [B, L, S]
-
-
-def reference(q, k, v, mask, scale, softcap=None):
-    q, k, v, m = (np.array(x).astype(np.float64) for x in (q, k, v, mask))
-    B, H, L, D = q.shape
-    kvh = k.shape[1]
-    s = np.einsum("bgrld,bgsd->bgrls", q.reshape(B, kvh, H // kvh, L, D) * scale, k)
-    if softcap is not None:
-        s = np.tanh(s / softcap) * softcap
-    s = np.where(m[:, None, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bgrls,bgsd->bgrld", p, v).reshape(B, H, L, D)
 
 
 def native(q, k, v, mask, softcap=None, causal=False):

@@ -6,6 +6,7 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
+from attention_fixtures import reference
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,19 +27,6 @@ def case(seed, B, L, S, kvh=2, rep=3, D=32):
     starts = mx.random.randint(0, S - L + 1, (B,), key=ks[3])
     mask = (mx.arange(S)[None, None] <= (starts[:, None] + mx.arange(L)[None])[:, :, None])[:, None]
     return q, keys, vals, mask
-
-
-def reference(q, k, v, mask, scale, softcap=None):
-    q, k, v, m = (np.array(x).astype(np.float64) for x in (q, k, v, mask))
-    B, H, L, D = q.shape
-    kvh = k.shape[1]
-    s = np.einsum("bgrld,bgsd->bgrls", q.reshape(B, kvh, H // kvh, L, D) * scale, k)
-    if softcap is not None:
-        s = np.tanh(s / softcap) * softcap
-    s = np.where(m[:, :, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bgrls,bgsd->bgrld", p, v).reshape(B, H, L, D)
 
 
 @given(seed=st.integers(0, 2**16), B=st.integers(1, 3), L=st.integers(2, 90), extra=st.integers(0, 300),
