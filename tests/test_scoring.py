@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotinfer
+from slotinfer import device
 from slotinfer.kv.views import SequenceCache
 from slotinfer.embed import pooling_of
 from slotinfer.engine.sampling import logsumexp, logsumexp_compiled
@@ -75,6 +76,21 @@ def test_prompt_logprobs_do_not_depend_on_the_batch(models, prompts, budget, k, 
     np.testing.assert_allclose(got.logprobs[1:], alone.logprobs[1:], atol=BATCH_ATOL, rtol=0)
     if k:
         assert [[t for t, _ in x] for x in got.top_logprobs[1:]] == [[t for t, _ in x] for x in alone.top_logprobs[1:]]
+
+
+@pytest.mark.parametrize("budget", [None, 7, 16])
+def test_a_quantized_models_prompt_scores_bit_for_bit_alone_and_padded(smollm2, budget):
+    """Where every op is row-local (the real Q4_1 model on the CPU kernels), a short prompt padded beside
+    longer ones scores bit for bit as alone: its prefill attention's sums do not depend on the padded
+    width (a matrix product's blocking would)."""
+    if device.model_ops().prefill_attention is None or not device.cpu_block_kernels():
+        pytest.skip("float products and attention by matrix products: within float rounding, BATCH_ATOL")
+    probe = "The capital of France is"
+    others = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11", "Hi", "def fibonacci(n):\n    return"]
+    alone = smollm2.score([probe], top_logprobs=2)[0]
+    for where in range(len(others) + 1):
+        got = smollm2.score(others[:where] + [probe] + others[where:], top_logprobs=2, token_budget=budget)[where]
+        assert got.logprobs[1:] == alone.logprobs[1:] and got.top_logprobs[1:] == alone.top_logprobs[1:]
 
 
 def test_a_bad_prompt_fails_alone_and_bad_requests_raise(models):

@@ -185,15 +185,18 @@ def attend(q, k, v, scale: float, mask, softcap: float | None, ops: Ops = MLX_OP
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     B, H, L, D = q.shape
     kvh, S = k.shape[1], k.shape[2]
+    if L > 1 and ops.prefill_attention is not None:
+        # A prefill by the native primitive where the ops have it, whatever its span (tiles of
+        # queries over fixed key blocks counted from position 0, a running softmax:
+        # qkernel/prefill_attention.h): a query's sums do not depend on the batch's padded width,
+        # where a matrix product's blocking does (a short prompt alone and beside a longer one)
+        out = ops.prefill_attention(q, k, v, scale, mask, softcap)
+        if out is not None:
+            return out
     if ops.shifted_exp is not None and L > 1 and S >= _SUM_BY_PRODUCT:
-        # A prefill's scores are L x S per head: the native primitive where the ops have it (tiles
-        # of queries over fixed key blocks, a running softmax: qkernel/prefill_attention.h), else
-        # in tiles of queries, each over the keys it sees, so they stay in cache, with the value
-        # products in fixed key blocks (tiled_attention.py)
-        if ops.prefill_attention is not None:
-            out = ops.prefill_attention(q, k, v, scale, mask, softcap)
-            if out is not None:
-                return out
+        # A long prefill's scores are L x S per head: in tiles of queries, each over the keys it
+        # sees, so they stay in cache, with the value products in fixed key blocks
+        # (tiled_attention.py)
         return tiled_attend(q, k, v, scale, mask, softcap, ops)
     q = q.reshape(B, kvh, H // kvh, L, D)
     scores = (q * scale) @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, kvh, rep, L, S]
