@@ -17,6 +17,9 @@ the ``[rows]`` tokens back once and accepts a draft while the sampled token equa
 (its latest token, seen tokens, counts) is then taken from the row its group ended on
 (:func:`fix_rows`), so it holds accepted tokens only.
 
+The host reads a verify step back before it builds the next one (the drafts come from its tokens),
+so its products take every core at any row count (:func:`~slotinfer.cpu.qlayers.all_cores`).
+
 The compiled variants are bounded by the configuration: row buckets up to ``slots x (max draft
 + 1)`` x block counts x sampling modes.
 """
@@ -27,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .._compile import ThreadCompiled
+from ..cpu.qlayers import all_cores
 from .decoder import COMPILE, row_bucket
 from ..kv import ZERO, PagedDecodeView, write_index
 from .sampling import RowParams, select
@@ -131,7 +135,8 @@ class Verifier:
             inp = mx.where(is_first, tokens[row_slot], draft_in)
             index = write_index(blocks[:, None], offsets[:, None], **geometry)
             view = PagedDecodeView(keys, values, index, positions, tables, positions)
-            logits = net.head(net(inp[:, None], view)[:, 0])
+            with all_cores():  # the host waits for this step: no next step is built beside it
+                logits = net.head(net(inp[:, None], view)[:, 0])
             row_seen = row_counts = mx.zeros((1,), dtype=mx.bool_)
             if use_penalty or use_adjust:
                 vocab = (seen if use_penalty else counts).shape[1]

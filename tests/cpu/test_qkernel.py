@@ -131,6 +131,29 @@ def test_in_a_compiled_graph_with_leading_axes():
 
 
 @built
+def test_a_product_on_every_core_gives_the_same_bits():
+    """A product that takes every core at a few rows (a step the host waits for: ``all_cores``) gives
+    what the one leaving a core free gives, in one graph beside it too; the block ends the setting."""
+    from slotinfer.cpu import qlayers
+
+    layer = qlayers.BlockLinear(256, 40, "q4_1")
+    layer.weight = mx.array(blocks("Q4_1", 40, 256, 5)[0])
+    x = mx.array(np.random.default_rng(6).standard_normal((3, 256)).astype(np.float32))
+    default = module.threads()
+    module.set_threads(2)
+    try:
+        spared = layer(x)
+        with qlayers.all_cores():
+            every = layer(x)
+        again = layer(x)
+        mx.eval(spared, every, again)
+    finally:
+        module.set_threads(default)
+    assert np.array_equal(np.array(every), np.array(spared)) and np.array_equal(np.array(again), np.array(spared))
+    assert qlayers._spare()
+
+
+@built
 @pytest.mark.parametrize("compiled", [False, True])
 def test_strided_inputs_give_the_contiguous_result(compiled):
     """Transposed, sliced or broadcast activations and a strided weight are read as their values
