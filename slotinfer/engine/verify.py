@@ -20,8 +20,8 @@ the ``[rows]`` tokens back once and accepts a draft while the sampled token equa
 The host reads a verify step back before it builds the next one (the drafts come from its tokens),
 so its products take every core at any row count (:func:`~slotinfer.cpu.qlayers.all_cores`).
 
-The compiled variants are bounded by the configuration: row buckets up to ``slots x (max draft
-+ 1)`` x block counts x sampling modes.
+The compiled variants are bounded by the configuration: every row count up to :data:`EXACT_ROWS`,
+then row buckets up to ``slots x (max draft + 1)``, x block counts x sampling modes.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ from .decoder import COMPILE, row_bucket
 from ..kv import ZERO, PagedDecodeView, write_index
 from .sampling import RowParams, select
 from ..kv.slot_table import SlotTable
+
+
+# Up to this many rows a verify step computes its rows exactly, unpadded: its cost grows by about a
+# row's share of the step for each (the products take up to 8 rows straight from each decoded block),
+# where padding 5 positions to 6 rows or 7 to 8 would cost a row more.
+EXACT_ROWS = 8
 
 
 def accepted(sampled, drafts) -> int:
@@ -71,7 +77,7 @@ class Verifier:
         t = self.table
         bs = t.block_size
         live_n = sum(1 + len(d) for _, d in groups)
-        n = row_bucket(live_n, self.max_rows)
+        n = live_n if live_n <= EXACT_ROWS else row_bucket(live_n, self.max_rows)
         row_slot = np.zeros(n, dtype=np.int32)
         draft_in = np.zeros(n, dtype=np.int32)
         is_first = np.zeros(n, dtype=bool)
