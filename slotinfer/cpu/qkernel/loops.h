@@ -5,7 +5,7 @@
 //
 // Products (qkernels.h says what they compute and the order of their sums): a panel of PANEL
 // columns is decoded once and met by every row of x in tiles of TILE_ROWS rows; up to ROWS rows
-// (WIDE_ROWS, fewer columns at a time) skip the panel and meet each decoded block straight from
+// (WIDE_ROWS) skip the panel and meet each decoded block straight from
 // registers, with the same multiply-adds in the same order (the same sums, bit for bit).  A decode step's other loops (decode_ops.h) are
 // plain C++ the compiler vectorizes for the target.
 
@@ -129,9 +129,10 @@ struct Kernels<QK_ISA> {
   QK_TARGET static void panels(const Job& job, std::vector<float>& buf) {
     if (job.m <= I::ROWS) return few_rows<F, C>(job);
     if constexpr (I::WIDE_ROWS > I::ROWS) {
-      // a few rows more: each block still decoded once into registers, WIDE_PANEL columns at a time
-      // (the decoded panel below reads its weights back from memory, without the prefetch)
-      if (job.m <= I::WIDE_ROWS) return few_rows<F, I::WIDE_PANEL, I::ROWS + 1, I::WIDE_ROWS>(job);
+      // a few rows more: each block still decoded once into registers (the compiler keeps what
+      // does not fit on the stack: cheaper than the decoded panel below, which reads its weights
+      // back from memory without the prefetch)
+      if (job.m <= I::WIDE_ROWS) return few_rows<F, C, I::ROWS + 1, I::WIDE_ROWS>(job);
     }
     const int nb = job.k / BLOCK, k = job.k;
     const size_t row_bytes = qk::row_bytes(F, job.k);
