@@ -5,9 +5,9 @@
 //
 // Products (qkernels.h says what they compute and the order of their sums): a panel of PANEL
 // columns is decoded once and met by every row of x in tiles of TILE_ROWS rows; up to ROWS rows
-// (WIDE_ROWS) skip the panel and meet each decoded block straight from
-// registers, with the same multiply-adds in the same order (the same sums, bit for bit).  A decode step's other loops (decode_ops.h) are
-// plain C++ the compiler vectorizes for the target.
+// (WIDE_ROWS) skip the panel and meet each decoded block straight from registers, with the same
+// multiply-adds in the same order (the same sums, bit for bit).  A decode step's other loops
+// (decode_ops.h) are plain C++ the compiler vectorizes for the target.
 
 template <>
 struct Kernels<QK_ISA> {
