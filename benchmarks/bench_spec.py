@@ -37,6 +37,7 @@ import mlx.core as mx  # noqa: E402
 from slotinfer import default_model  # noqa: E402
 from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, Engine  # noqa: E402
 from slotinfer.engine.decoder import row_bucket  # noqa: E402
+from slotinfer.engine.verify import EXACT_ROWS  # noqa: E402
 from slotinfer.spec import CostModel, Drafter  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -173,7 +174,8 @@ def main():
         print(f"verify step, {args.calibrate_rows} slots at 256 tokens: positions, row bucket, ms, cost against "
               f"{args.calibrate_rows} positions")
         for n, t in times.items():
-            print(f"  {n:>2} {row_bucket(n, args.calibrate_rows * 9):>3} {t * 1e3:7.2f}  {t / base:.2f}")
+            rows = n if n <= EXACT_ROWS else row_bucket(n, args.calibrate_rows * 9)
+            print(f"  {n:>2} {rows:>3} {t * 1e3:7.2f}  {t / base:.2f}")
         return
     times, cs = calibrate(model) if not args.skip_calibration else ({}, {0: 0.0})
     print("verify step, 1 slot at 256 tokens: rows, ms, c(n)")

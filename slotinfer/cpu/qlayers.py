@@ -9,10 +9,32 @@ loader kept blocks (the CPU policy :func:`slotinfer.device.cpu_block_kernels` de
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from . import qkernel
+
+_host = threading.local()
+
+
+@contextlib.contextmanager
+def all_cores():
+    """Products built (traced) in this block on this thread take every core at any row count: for a
+    step the host waits for, where no next step is being built beside it (:func:`.qkernel.qlinear`'s
+    ``spare``).  The values are the same either way."""
+    before = getattr(_host, "all_cores", False)
+    _host.all_cores = True
+    try:
+        yield
+    finally:
+        _host.all_cores = before
+
+
+def _spare() -> bool:
+    return not getattr(_host, "all_cores", False)
 
 
 def _half(lo, hi):
@@ -86,7 +108,7 @@ class BlockLinear(nn.Module):
             self.bias = mx.zeros((output_dims,))
 
     def __call__(self, x):
-        y = qkernel.qlinear(x, self.weight, self.fmt)
+        y = qkernel.qlinear(x, self.weight, self.fmt, spare=_spare())
         return y + self.bias if "bias" in self else y
 
     def weight_rows(self, ids):
@@ -106,7 +128,7 @@ class BlockEmbedding(nn.Module):
         return dequantize(self.weight[ids], self.fmt)
 
     def as_linear(self, x):
-        return qkernel.qlinear(x, self.weight, self.fmt)
+        return qkernel.qlinear(x, self.weight, self.fmt, spare=_spare())
 
     def weight_rows(self, ids):
         return dequantize(self.weight[ids], self.fmt)

@@ -14,6 +14,7 @@ configuration: row buckets x block counts (up to ``max_len``'s) x sampling modes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import mlx.core as mx
@@ -21,6 +22,7 @@ import numpy as np
 
 from .. import settings
 from .._compile import ThreadCompiled
+from ..cpu.qlayers import all_cores
 from ..kv import ZERO, PagedDecodeView, write_index
 from ..kv.slot_table import SlotTable
 from .sampling import RowParams, select, spread
@@ -72,10 +74,12 @@ class Decoder:
     def variants(self) -> int:
         """How many step variants exist: bounded by the configuration (row buckets x 2 row layouts x
         block counts x sampling modes x the few logprob counts of
-        :func:`~slotinfer.engine.sampling.top_n_computed`), never by what requests ask for."""
+        :func:`~slotinfer.engine.sampling.top_n_computed` x whether the host waits for the step),
+        never by what requests ask for."""
         return len(self._compiled)
 
-    def step(self, tokens, live, positions, span: int, rows: RowParams, *, top_n: int = -1, masks=None):
+    def step(self, tokens, live, positions, span: int, rows: RowParams, *, top_n: int = -1, masks=None,
+             waited: bool = False):
         """Run one step for the ``live`` slots (sorted); returns ``(tokens [b], logprob outputs [b, ...])``,
         all lazy.
 
@@ -84,7 +88,9 @@ class Decoder:
         (read for the live slots only); ``span`` the positions the widest live row attends to.
         Logprob outputs are [b, ...] too; other slots' entries are meaningless.  ``masks`` (host,
         [b, words] int32, or None) is each slot's bitmask of the tokens it may take
-        (:mod:`slotinfer.engine.structured`); a free row's is all ones.
+        (:mod:`slotinfer.engine.structured`); a free row's is all ones.  ``waited``: the host reads
+        this step back before it builds the next (speculation), so its products take every core
+        (:func:`~slotinfer.cpu.qlayers.all_cores`).
 
         Attention reads each row's blocks through its block table
         (:class:`~slotinfer.kv.PagedDecodeView`), cut to the blocks the widest row holds: a step
@@ -102,7 +108,7 @@ class Decoder:
         blocks, offsets = t.locate(picked_np, pos)
         view_pos = np.where(is_live, pos, nblk * bs - 1).astype(np.int32)  # a padding row sees ZERO blocks only
         key = (len(picked), prefix, nblk, rows.all_greedy, rows.use_sort, rows.seen is not None,
-               rows.counts is not None, masks is not None, top_n)
+               rows.counts is not None, masks is not None, top_n, waited)
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled[key] = ThreadCompiled(self._make(*key), enabled=COMPILE)
@@ -120,7 +126,7 @@ class Decoder:
             rows.counts = counts
         return nxt, extra
 
-    def _make(self, n, prefix, nblk, greedy, use_sort, use_penalty, use_adjust, masked, top_n):
+    def _make(self, n, prefix, nblk, greedy, use_sort, use_penalty, use_adjust, masked, top_n, waited):
         net, table = self.net, self.table
         slots = table.slots
         geometry = dict(kv_heads=table.kv_heads, block_size=table.block_size, head_dim=table.head_dim,
@@ -134,7 +140,8 @@ class Decoder:
             tok = mine(tokens)
             index = write_index(blocks[:, None], offsets[:, None], **geometry)
             view = PagedDecodeView(keys, values, index, positions, tables, positions)
-            logits = net.head(net(tok[:, None], view)[:, 0])
+            with all_cores() if waited else contextlib.nullcontext():
+                logits = net.head(net(tok[:, None], view)[:, 0])
             if use_penalty:  # the input token is the row's latest: it joins what the row has seen
                 r = mx.arange(n)
                 mine_seen = mine(seen)

@@ -347,8 +347,9 @@ class Engine(SpeculativeSteps):
             live = sorted(it.slot for it in needed)
             positions = self.table.lengths
             self.rows.steps = mx.array(self.gen)
+            # a step the next one reads back first (it may draft from its tokens) has no host work beside it
             nxt, extra = self.decoder.step(tokens_in, live, positions, int(positions[live].max()) + 1, self.rows,
-                                           top_n=top_n, masks=self._masks(needed))
+                                           top_n=top_n, masks=self._masks(needed), waited=self._may_draft())
             self.tokens = nxt
         else:
             nxt, extra = tokens_in, list(fx)  # placeholders of the right shapes; no row reads them

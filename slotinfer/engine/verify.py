@@ -17,8 +17,11 @@ the ``[rows]`` tokens back once and accepts a draft while the sampled token equa
 (its latest token, seen tokens, counts) is then taken from the row its group ended on
 (:func:`fix_rows`), so it holds accepted tokens only.
 
-The compiled variants are bounded by the configuration: row buckets up to ``slots x (max draft
-+ 1)`` x block counts x sampling modes.
+The host reads a verify step back before it builds the next one (the drafts come from its tokens),
+so its products take every core at any row count (:func:`~slotinfer.cpu.qlayers.all_cores`).
+
+The compiled variants are bounded by the configuration: every row count up to :data:`EXACT_ROWS`,
+then row buckets up to ``slots x (max draft + 1)``, x block counts x sampling modes.
 """
 
 from __future__ import annotations
@@ -27,10 +30,17 @@ import mlx.core as mx
 import numpy as np
 
 from .._compile import ThreadCompiled
+from ..cpu.qlayers import all_cores
 from .decoder import COMPILE, row_bucket
 from ..kv import ZERO, PagedDecodeView, write_index
 from .sampling import RowParams, select
 from ..kv.slot_table import SlotTable
+
+
+# Up to this many rows a verify step computes its rows exactly, unpadded: its cost grows by about a
+# row's share of the step for each (the products take up to 8 rows straight from each decoded block),
+# where padding 5 positions to 6 rows or 7 to 8 would cost a row more.
+EXACT_ROWS = 8
 
 
 def accepted(sampled, drafts) -> int:
@@ -67,7 +77,7 @@ class Verifier:
         t = self.table
         bs = t.block_size
         live_n = sum(1 + len(d) for _, d in groups)
-        n = row_bucket(live_n, self.max_rows)
+        n = live_n if live_n <= EXACT_ROWS else row_bucket(live_n, self.max_rows)
         row_slot = np.zeros(n, dtype=np.int32)
         draft_in = np.zeros(n, dtype=np.int32)
         is_first = np.zeros(n, dtype=bool)
@@ -131,7 +141,8 @@ class Verifier:
             inp = mx.where(is_first, tokens[row_slot], draft_in)
             index = write_index(blocks[:, None], offsets[:, None], **geometry)
             view = PagedDecodeView(keys, values, index, positions, tables, positions)
-            logits = net.head(net(inp[:, None], view)[:, 0])
+            with all_cores():  # the host waits for this step: no next step is built beside it
+                logits = net.head(net(inp[:, None], view)[:, 0])
             row_seen = row_counts = mx.zeros((1,), dtype=mx.bool_)
             if use_penalty or use_adjust:
                 vocab = (seen if use_penalty else counts).shape[1]

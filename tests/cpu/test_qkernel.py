@@ -67,11 +67,11 @@ def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
 
 
 @built
-@given(qtype=st.sampled_from(FORMATS), m=st.one_of(st.integers(2, 5), st.integers(2, 80)),
+@given(qtype=st.sampled_from(FORMATS), m=st.one_of(st.integers(2, 9), st.integers(2, 80)),
        seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2, 3]))
 def test_batch_invariant(kernels, qtype, m, seed, threads):
     """A row's result is bit-identical whatever the number of rows, their values, and the thread count
-    (a few rows, which skip the decoded panel, drawn as often as any count)."""
+    (a few rows, which skip the decoded panel up to 4 or 8 of them, drawn as often as any count)."""
     n = 37  # k: more blocks of 32 than a row tile takes at a time; m: up to more rows than a panel serves
     k = 512 if qtype in K_QUANTS else 320
     b, _ = blocks(qtype, n, k, seed)
@@ -98,7 +98,7 @@ def test_weights_are_the_references_bit_for_bit(kernels, qtype, n, k_blocks, see
     """Every weight the loops decode is gguf's float32 reading of the block, exactly (the K-quants' d * sc
     and dmin * m are exact in float32, so no scale is rounded on the way): the product with the identity
     gives the weights back bit for bit, through the panel (k rows) and through the few-row loops
-    (each unit row alone), and so does the embedding lookup's dequantize."""
+    (each unit row alone, and a few of them together), and so does the embedding lookup's dequantize."""
     from slotinfer.cpu import qlayers
 
     k = k_of(qtype, k_blocks)
@@ -108,6 +108,8 @@ def test_weights_are_the_references_bit_for_bit(kernels, qtype, n, k_blocks, see
     assert np.array_equal(qlinear(eye, b, qtype).T, want)
     for i in np.random.default_rng(seed).choice(k, size=3):
         assert np.array_equal(qlinear(eye[i:i + 1], b, qtype)[0], want[:, i])
+    few = np.random.default_rng(seed).choice(k, size=min(k, 1 + seed % 8), replace=False)
+    assert np.array_equal(qlinear(eye[few], b, qtype).T, want[:, few])
     assert np.array_equal(np.array(qlayers.dequantize(mx.array(b), qkernel.FORMATS[qtype])), want)
 
 
@@ -126,6 +128,29 @@ def test_in_a_compiled_graph_with_leading_axes():
     ref = (2.0 * x.astype(np.float64)) @ wd.T + 1.0
     assert out.shape == (2, 3, 48)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@built
+def test_a_product_on_every_core_gives_the_same_bits():
+    """A product that takes every core at a few rows (a step the host waits for: ``all_cores``) gives
+    what the one leaving a core free gives, in one graph beside it too; the block ends the setting."""
+    from slotinfer.cpu import qlayers
+
+    layer = qlayers.BlockLinear(256, 40, "q4_1")
+    layer.weight = mx.array(blocks("Q4_1", 40, 256, 5)[0])
+    x = mx.array(np.random.default_rng(6).standard_normal((3, 256)).astype(np.float32))
+    default = module.threads()
+    module.set_threads(2)
+    try:
+        spared = layer(x)
+        with qlayers.all_cores():
+            every = layer(x)
+        again = layer(x)
+        mx.eval(spared, every, again)
+    finally:
+        module.set_threads(default)
+    assert np.array_equal(np.array(every), np.array(spared)) and np.array_equal(np.array(again), np.array(spared))
+    assert qlayers._spare()
 
 
 @built

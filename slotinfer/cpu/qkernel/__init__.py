@@ -81,10 +81,12 @@ def status() -> str:
     return f"{module.kernels()} loops, {module.threads()} threads"
 
 
-def qlinear(x, w, fmt: str):
+def qlinear(x, w, fmt: str, *, spare: bool = True):
     """``x @ dequant(w).T``: ``x`` float32 [..., k], ``w`` uint8 [n, :func:`row_bytes`] in ``fmt``
-    (a name in :data:`FORMATS`).  Raises RuntimeError where the extension is unavailable."""
+    (a name in :data:`FORMATS`).  ``spare``: at a few rows the product leaves a core to the thread
+    that builds the next step meanwhile (False: every core, for a step the host waits for; the same
+    values either way).  Raises RuntimeError where the extension is unavailable."""
     module = load()
     if module is None:
         raise RuntimeError(f"slotinfer's quantized CPU kernels are unavailable: {_error}")
-    return module.qlinear(x, w, fmt)
+    return module.qlinear(x, w, fmt, spare=spare)

@@ -5,9 +5,9 @@
 //
 // Products (qkernels.h says what they compute and the order of their sums): a panel of PANEL
 // columns is decoded once and met by every row of x in tiles of TILE_ROWS rows; up to ROWS rows
-// skip the panel and meet each decoded block straight from registers, with the same multiply-adds
-// in the same order (the same sums, bit for bit).  A decode step's other loops (decode_ops.h) are
-// plain C++ the compiler vectorizes for the target.
+// (WIDE_ROWS) skip the panel and meet each decoded block straight from registers, with the same
+// multiply-adds in the same order (the same sums, bit for bit).  A decode step's other loops
+// (decode_ops.h) are plain C++ the compiler vectorizes for the target.
 
 template <>
 struct Kernels<QK_ISA> {
@@ -114,11 +114,11 @@ struct Kernels<QK_ISA> {
     }
   }
 
-  // job.m rows, R <= job.m <= ROWS, by rows<F, C, job.m>
-  template <Format F, int C, int R = 1>
+  // job.m rows, R <= job.m <= TOP, by rows<F, C, job.m>
+  template <Format F, int C, int R = 1, int TOP = I::ROWS>
   QK_TARGET static void few_rows(const Job& job) {
-    if constexpr (R < I::ROWS) {
-      if (job.m != R) return few_rows<F, C, R + 1>(job);
+    if constexpr (R < TOP) {
+      if (job.m != R) return few_rows<F, C, R + 1, TOP>(job);
     }
     rows<F, C, R>(job);
   }
@@ -128,6 +128,12 @@ struct Kernels<QK_ISA> {
   template <Format F, int C>
   QK_TARGET static void panels(const Job& job, std::vector<float>& buf) {
     if (job.m <= I::ROWS) return few_rows<F, C>(job);
+    if constexpr (I::WIDE_ROWS > I::ROWS) {
+      // a few rows more: each block still decoded once into registers (the compiler keeps what
+      // does not fit on the stack: cheaper than the decoded panel below, which reads its weights
+      // back from memory without the prefetch)
+      if (job.m <= I::WIDE_ROWS) return few_rows<F, C, I::ROWS + 1, I::WIDE_ROWS>(job);
+    }
     const int nb = job.k / BLOCK, k = job.k;
     const size_t row_bytes = qk::row_bytes(F, job.k);
     buf.resize((size_t)k * C + (size_t)job.m * C * W);

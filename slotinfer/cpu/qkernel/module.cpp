@@ -25,8 +25,9 @@ using namespace qk;
 
 NB_MODULE(_qkernel, m) {
   m.doc() = "slotinfer's quantized linear layer on CPU (GGUF Q8_0 / Q4_0 / Q4_1 blocks)";
-  m.def("qlinear", &qlinear, "x"_a, "w"_a, "format"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x @ dequant(w).T for w [n, k/32 blocks] in GGUF blocks (q8_0, q4_0, q4_1); float32 out");
+  m.def("qlinear", &qlinear, "x"_a, "w"_a, "format"_a, nb::kw_only(), "spare"_a = true, "stream"_a = nb::none(),
+        "x @ dequant(w).T for w [n, k/32 blocks] in GGUF blocks (q8_0, q4_0, q4_1, q5_0, q4_k, q6_k); float32 "
+        "out.  spare: at a few rows (set_spare_rows) leave a core to the other threads");
   m.def("rms_norm", &rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x * (1 / sqrt(mean(x^2) + eps)) * weight over the last axis, float32 (weight may be None)");
   m.def("rope_apply", &rope_apply, "x"_a, "cos"_a, "sin"_a, nb::kw_only(), "stream"_a = nb::none(),

@@ -32,17 +32,19 @@ namespace {
 // The columns go to the threads in pieces of whole groups of 8 (a thread never splits a sum).
 constexpr int PIECES = 4, PIECE_GROUPS = 32;
 
-// `spare`: the product is a node of its own in a graph of many (a decode step's separate nodes),
-// whose queueing keeps another thread busy (see below); false inside the fused blocks.
+// `spare`: the product is a node of its own in a graph of many (a decode step's separate nodes, its
+// head), whose queueing keeps another thread busy (see below); false inside the fused blocks and
+// in a step the host waits for (a speculative verify step: qlayers.all_cores).
 void run(Format f, const float* x, const uint8_t* W, float* out, int m, int k, int n, bool spare = false) {
   int groups = (n + GROUP - 1) / GROUP;
   int threads = std::max(1, std::min(g_threads, groups));
   // below ~64k multiply-adds a thread's wake-up costs more than its share saves
   if ((long)m * n * k < 65536L * threads) threads = 1;
   // A decode step of a few rows leaves one core to the thread that builds the next step's graph
-  // meanwhile: with every core in the product, the two wait on each other (SmolLM2 Q4_1 on 2
-  // cores, one sequence: 86 tokens/s with the product on one thread, 73 on two; from 8 rows the
-  // products are long enough that two threads win, 182 against 138).
+  // meanwhile (mx.async_eval returns once all but a step's last few nodes are queued: its head runs
+  // while the host builds the next step): with every core in the product, the two wait on each
+  // other (SmolLM2 Q4_1 on 2 cores, one sequence: 86 tokens/s with the product on one thread, 73
+  // on two; from 8 rows the products are long enough that two threads win, 182 against 138).
   if (spare && m <= g_spare_rows) threads = std::min(threads, std::max(1, g_threads - 1));
   // Up to PIECES a thread, of PIECE_GROUPS groups or more (a piece's first groups go without the
   // prefetch of the groups before them), taken by whichever thread is free: one that starts late
@@ -61,13 +63,15 @@ void run(Format f, const float* x, const uint8_t* W, float* out, int m, int k, i
   g_pool->run(threads, share);
 }
 
+// spare: whether the product may leave a core free at a few rows (see run); false where nothing
+// would run on that core meanwhile (a step the host waits for).
 class QuantizedLinear : public Rowwise {
  public:
-  QuantizedLinear(mx::Stream s, Format f) : Rowwise(s), format_(f) {}
+  QuantizedLinear(mx::Stream s, Format f, bool spare) : Rowwise(s), format_(f), spare_(spare) {}
   const char* name() const override { return "QuantizedLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const QuantizedLinear*>(&other);
-    return o && o->format_ == format_;
+    return o && o->format_ == format_ && o->spare_ == spare_;
   }
 
  protected:
@@ -79,13 +83,15 @@ class QuantizedLinear : public Rowwise {
   Fn body(const std::vector<mx::array>& in) const override {
     const int k = in[0].shape(-1), n = in[1].shape(0), m = (int)(in[0].size() / std::max(k, 1));
     const Format f = format_;
+    const bool spare = spare_;
     return [=](const std::vector<const float*>& x, const std::vector<const void*>& w, float* out) {
-      run(f, x[0], static_cast<const uint8_t*>(w[0]), out, m, k, n, true);
+      run(f, x[0], static_cast<const uint8_t*>(w[0]), out, m, k, n, spare);
     };
   }
 
  private:
   Format format_;
+  bool spare_;
 };
 
 class RmsNorm : public Rowwise {
@@ -488,7 +494,8 @@ mx::array mlp_block(const mx::array& h, const mx::array& w_norm, float eps, cons
                    {h, w_norm, w_gate_up, w_down});
 }
 
-mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, mx::StreamOrDevice s) {
+mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, bool spare,
+                  mx::StreamOrDevice s) {
   Format f = parse_format(format);
   if (x.dtype() != mx::float32) throw std::invalid_argument("x must be float32");
   if (w.dtype() != mx::uint8 || w.ndim() != 2) throw std::invalid_argument("w must be a 2-D uint8 array of blocks");
@@ -502,7 +509,7 @@ mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& for
   if (stream.device != mx::Device::cpu) throw std::invalid_argument("qlinear runs on the CPU only");
   mx::Shape shape = x.shape();
   shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedLinear>(stream, f), {x, w});
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedLinear>(stream, f, spare), {x, w});
 }
 
 }  // namespace qk

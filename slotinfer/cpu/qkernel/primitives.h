@@ -18,7 +18,8 @@ inline int g_spare_rows = 4;  // products of at most this many rows leave a core
 
 Format parse_format(const std::string& name);
 
-mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, mx::StreamOrDevice s);
+// spare: the product may leave a core to the other threads at a few rows (g_spare_rows, primitives.cpp's run)
+mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, bool spare, mx::StreamOrDevice s);
 mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s);
 mx::array rope_apply(const mx::array& x, const mx::array& cos, const mx::array& sin, mx::StreamOrDevice s);
 mx::array paged_decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values,

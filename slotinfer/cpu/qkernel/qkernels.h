@@ -25,7 +25,7 @@
 // are applied here, never in the loop over rows) into a small buffer, and every row of x then
 // meets the buffer in tiles of R rows x C columns whose R * C accumulators stay in registers.
 // A few rows skip the buffer: each block goes from its decoding straight to the rows' sums
-// (one row; with AVX-512, up to 4).
+// (one row; with AVX-512, up to 8).
 //
 // Order of the sum (the batch-invariance contract): out[r, j] has one V-lane float32 accumulator
 // (V = 8 with AVX2, 16 with AVX-512, 8 portably); for each block b in order, the block's 32 / V

@@ -2,6 +2,8 @@
 //   V        the accumulator / weight register, W float32 lanes
 //   ROWS     how many rows of x a product takes straight from the decoded registers (more rows
 //            go through the decoded panel); PANEL: the columns a panel holds
+//   WIDE_ROWS: up to WIDE_ROWS rows (more than ROWS) also take the decoded registers straight,
+//            some of their accumulators spilled
 //   zero, load, store, fma (acc + a * b, rounded once where the ISA has a fused multiply-add),
 //   reduce (the lanes to one float in a fixed tree), decode<F> (the 32 weights b of a weight row,
 //   qkernels.h's block_at, to 32 / W registers).
@@ -18,7 +20,7 @@ namespace qk {
 
 // 8 lanes in plain C++: the lanes' multiply and add each rounded (no fused multiply-add).
 struct Portable {
-  static constexpr int W = 8, ROWS = 1, PANEL = 2;
+  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 1;
   struct V {
     float l[8];
   };
@@ -85,7 +87,7 @@ QK_AVX2_TARGET QK_INL __m256i q6k_bytes(const uint8_t* blk) {
 }
 
 struct Avx2 {
-  static constexpr int W = 8, ROWS = 1, PANEL = 2;
+  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 1;
   using V = __m256;
   static QK_AVX2_TARGET QK_INL V zero() { return _mm256_setzero_ps(); }
   static QK_AVX2_TARGET QK_INL V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -212,8 +214,10 @@ struct Avx2 {
 };
 
 struct Avx512 {
-  // R rows x PANEL columns of accumulators and the decoded columns fit the 32 registers
-  static constexpr int W = 16, ROWS = 4, PANEL = 4;
+  // R rows x PANEL columns of accumulators and the decoded columns fit the 32 registers up to
+  // ROWS; up to WIDE_ROWS (a verify step's positions, a small batch) some spill, which still
+  // costs less than the decoded panel
+  static constexpr int W = 16, ROWS = 4, PANEL = 4, WIDE_ROWS = 8;
   using V = __m512;
   static QK_AVX512_TARGET QK_INL V zero() { return _mm512_setzero_ps(); }
   static QK_AVX512_TARGET QK_INL V load(const float* p) { return _mm512_loadu_ps(p); }
