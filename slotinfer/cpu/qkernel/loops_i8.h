@@ -24,13 +24,12 @@ struct KernelsI8<QK_I8_ISA> {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
   }
 
+  // ks: the super-block's factors (Q4_K; Avx512::k_scales, once per super-block)
   template <Format F>
-  QK_I8_TARGET static QK_INL void w_pair_vnni(const uint8_t* row, int nb, int p, WPair& w) {
+  QK_I8_TARGET static QK_INL void w_pair_vnni(const uint8_t* row, int nb, int p, const KScales& ks, WPair& w) {
     if constexpr (F == Format::Q4_K) {
       const uint8_t* blk = row + (size_t)(p >> 2) * block_bytes(F);
       const int t = p & 3;
-      KScales ks;
-      q4_k_scales(blk + 4, half_to_float(blk), half_to_float(blk + 2), ks);
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * t)), m = _mm256_set1_epi8(0x0f);
       _mm512_store_si512(w.u, join(_mm256_and_si256(b, m), _mm256_and_si256(_mm256_srli_epi16(b, 4), m)));
       _mm512_store_ps(w.dw, halves(ks.a[2 * t], ks.a[2 * t + 1]));
@@ -51,7 +50,7 @@ struct KernelsI8<QK_I8_ISA> {
       _mm512_store_si512(w.u, join(q[0], q[1]));
       int32_t s4;
       std::memcpy(&s4, blk + 192 + 4 * t, 4);
-      const __m128 sc = _mm_mul_ps(_mm_set1_ps(half_to_float(blk + 208)),
+      const __m128 sc = _mm_mul_ps(_mm_set1_ps(load_half(blk + 208)),
                                    _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(s4))));
       const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
       _mm512_store_ps(w.dw, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(sc)));
@@ -63,7 +62,7 @@ struct KernelsI8<QK_I8_ISA> {
       float d[2] = {0.0f, 0.0f}, m[2] = {0.0f, 0.0f};
       for (int h = 0; h < 1 + two; ++h) {
         const uint8_t* blk = b0 + h * block_bytes(F);
-        d[h] = half_to_float(blk);
+        d[h] = load_half(blk);
         if constexpr (F == Format::Q8_0) {
           v[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), _mm256_set1_epi8((char)0x80));
         } else if constexpr (F == Format::Q5_0) {
@@ -73,7 +72,7 @@ struct KernelsI8<QK_I8_ISA> {
           v[h] = _mm256_mask_add_epi8(n, (__mmask32)qh, n, _mm256_set1_epi8(16));
         } else if constexpr (F == Format::Q4_1) {
           v[h] = nibbles(blk + 4);
-          m[h] = half_to_float(blk + 2);
+          m[h] = load_half(blk + 2);
         } else {
           v[h] = nibbles(blk + 2);
         }
@@ -160,10 +159,14 @@ struct KernelsI8<QK_I8_ISA> {
   }
 
   template <Format F>
-  QK_I8_TARGET static void w_pair(const uint8_t* row, int nb, int p, WPair& w) {
+  QK_I8_TARGET static QK_INL void w_pair(const uint8_t* row, int nb, int p, KScales& ks, WPair& w) {
 #if QK_I8_VNNI
-    w_pair_vnni<F>(row, nb, p, w);
+    if constexpr (F == Format::Q4_K) {
+      if ((p & 3) == 0) Avx512::k_scales<F>(row + (size_t)(p >> 2) * block_bytes(F), ks);
+    }
+    w_pair_vnni<F>(row, nb, p, ks, w);
 #else
+    (void)ks;
     w_pair_portable(F, row, nb, p, w);
 #endif
   }
@@ -182,10 +185,11 @@ struct KernelsI8<QK_I8_ISA> {
     constexpr bool MIN = format_has_min(F);
     const int nb = job.k / BLOCK;
     const size_t rb = qk::row_bytes(F, job.k);
+    KScales ks[C];
     for (int p = 0; p < np; ++p) {
       for (int b = 2 * p; b < std::min(nb, 2 * p + 2); ++b) prefetch_group(job, j, CC, rb, b, sub_bytes(F));
       for (int c = 0; c < C; ++c) {
-        if (c < CC) w_pair<F>(job.W + (size_t)(j + c) * rb, nb, p, wp[(size_t)p * C + c]);
+        if (c < CC) w_pair<F>(job.W + (size_t)(j + c) * rb, nb, p, ks[c], wp[(size_t)p * C + c]);
         else std::memset(&wp[(size_t)p * C + c], 0, sizeof(WPair));
       }
     }
