@@ -114,15 +114,15 @@ struct KernelsI8<QK_I8_ISA> {
   }
 #endif
 
-  // R rows x C columns over every pair: wp [np][C], x rows' pairs at xr[r]
-  template <int R, bool MIN>
-  QK_I8_TARGET static void tile(const WPair* wp, const XPair* const* xr, int np, float* out, int n) {
+  // R rows x C columns over every pair: get(p) gives pair p's C weight pairs, x rows' pairs at xr[r]
+  template <int R, bool MIN, class Get>
+  QK_I8_TARGET static QK_INL void tile(Get&& get, const XPair* const* xr, int np, float* out, int n) {
 #if QK_I8_VNNI
     __m512 acc[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     for (int p = 0; p < np; ++p) {
-      const WPair* w = wp + (size_t)p * C;
+      const WPair* w = get(p);
       __m512i u[C];
       for (int c = 0; c < C; ++c) u[c] = _mm512_load_si512(w[c].u);
       for (int r = 0; r < R; ++r) {
@@ -141,7 +141,7 @@ struct KernelsI8<QK_I8_ISA> {
 #else
     float acc[R][C][16] = {};
     for (int p = 0; p < np; ++p) {
-      const WPair* w = wp + (size_t)p * C;
+      const WPair* w = get(p);
       for (int r = 0; r < R; ++r) {
         const XPair& x = xr[r][p];
         for (int c = 0; c < C; ++c)
@@ -185,6 +185,27 @@ struct KernelsI8<QK_I8_ISA> {
     constexpr bool MIN = format_has_min(F);
     const int nb = job.k / BLOCK;
     const size_t rb = qk::row_bytes(F, job.k);
+    // Q8_0 at up to 4 rows, Q4_0 and Q5_0 at one: each pair decoded and used at once, no panel (what
+    // measured faster; the same values either way)
+    const int direct_rows = F == Format::Q8_0 ? TILE_ROWS : F == Format::Q4_0 || F == Format::Q5_0 ? 1 : 0;
+    if (job.m <= direct_rows && CC == C) {
+      KScales ks[C];
+      alignas(64) WPair wl[C];
+      auto direct = [&](int p) QK_I8_TARGET {
+        for (int b = 2 * p; b < std::min(nb, 2 * p + 2); ++b) prefetch_group(job, j, C, rb, b, sub_bytes(F));
+        for (int c = 0; c < C; ++c) w_pair<F>(job.W + (size_t)(j + c) * rb, nb, p, ks[c], wl[c]);
+        return static_cast<const WPair*>(wl);
+      };
+      const XPair* xr[TILE_ROWS];
+      for (int i = 0; i < job.m; ++i) xr[i] = xp + (size_t)i * np;
+      float* out = job.out + j;
+      switch (job.m) {
+        case 4: return tile<4, MIN>(direct, xr, np, out, job.n);
+        case 3: return tile<3, MIN>(direct, xr, np, out, job.n);
+        case 2: return tile<2, MIN>(direct, xr, np, out, job.n);
+        default: return tile<1, MIN>(direct, xr, np, out, job.n);
+      }
+    }
     KScales ks[C];
     for (int p = 0; p < np; ++p) {
       for (int b = 2 * p; b < std::min(nb, 2 * p + 2); ++b) prefetch_group(job, j, CC, rb, b, sub_bytes(F));
@@ -199,18 +220,19 @@ struct KernelsI8<QK_I8_ISA> {
       for (int i = 0; i < rows; ++i)
         for (int c = 0; c < CC; ++c) job.out[(size_t)(r + i) * job.n + j + c] = part[i * C + c];
     };
+    auto panel = [wp](int p) { return wp + (size_t)p * C; };
     const XPair* xr[TILE_ROWS];
     for (; r + TILE_ROWS <= job.m; r += TILE_ROWS) {
       for (int i = 0; i < TILE_ROWS; ++i) xr[i] = xp + (size_t)(r + i) * np;
-      tile<TILE_ROWS, MIN>(wp, xr, np, part, C);
+      tile<TILE_ROWS, MIN>(panel, xr, np, part, C);
       put(TILE_ROWS);
     }
     const int left = job.m - r;
     for (int i = 0; i < left; ++i) xr[i] = xp + (size_t)(r + i) * np;
     switch (left) {
-      case 3: tile<3, MIN>(wp, xr, np, part, C); break;
-      case 2: tile<2, MIN>(wp, xr, np, part, C); break;
-      case 1: tile<1, MIN>(wp, xr, np, part, C); break;
+      case 3: tile<3, MIN>(panel, xr, np, part, C); break;
+      case 2: tile<2, MIN>(panel, xr, np, part, C); break;
+      case 1: tile<1, MIN>(panel, xr, np, part, C); break;
       default: return;
     }
     put(left);
