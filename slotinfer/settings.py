@@ -40,6 +40,17 @@ def quant_kernels() -> bool:
     return _flag("SLOTINFER_QUANT_KERNELS")
 
 
+def int8_activations() -> bool:
+    """``SLOTINFER_INT8_ACTIVATIONS=1``: on CPU, the quantized kernels' products quantize each row of
+    activations to 8 bits per block of 32 and multiply in integers (off by default: it changes the
+    values).  Raises ValueError on anything but 0 or 1."""
+    value = os.environ.get("SLOTINFER_INT8_ACTIVATIONS", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"SLOTINFER_INT8_ACTIVATIONS={value!r}: expected 0 or 1 (1: the CPU's quantized "
+                         "kernels take activations in 8 bits); unset it for the default, 0")
+    return value == "1"
+
+
 def own_math() -> bool:
     """``SLOTINFER_OWN_MATH=0``: MLX's own exp, softmax and RMSNorm on CPU too."""
     return _flag("SLOTINFER_OWN_MATH")

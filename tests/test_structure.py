@@ -146,9 +146,9 @@ def test_every_slotinfer_variable_is_read_in_settings_and_documented():
     reads has its row in docs/configuration.md's table."""
     import re
 
-    name = re.compile(r"SLOTINFER_[A-Z_]+")
-    read = re.compile(r"""os\.environ\.get\(\s*["'](SLOTINFER_[A-Z_]+)|_flag\(\s*["'](SLOTINFER_[A-Z_]+)"""
-                      r"""|_whole\(\s*["'](SLOTINFER_[A-Z_]+)""")
+    name = re.compile(r"SLOTINFER_[A-Z0-9_]+")
+    read = re.compile(r"""os\.environ\.get\(\s*["'](SLOTINFER_[A-Z0-9_]+)|_flag\(\s*["'](SLOTINFER_[A-Z0-9_]+)"""
+                      r"""|_whole\(\s*["'](SLOTINFER_[A-Z0-9_]+)""")
     settings = (PKG / "settings.py").read_text()
     in_settings = {next(g for g in m.groups() if g) for m in read.finditer(settings)}
     elsewhere = {}
@@ -161,7 +161,7 @@ def test_every_slotinfer_variable_is_read_in_settings_and_documented():
                     elsewhere.setdefault(n, path.relative_to(PKG.parent))
     assert not elsewhere, f"read outside slotinfer/settings.py: {elsewhere}"
     table = (PKG.parent / "docs" / "configuration.md").read_text()
-    rows = set(re.findall(r"^\| `(SLOTINFER_[A-Z_]+)` \|", table, re.M))
+    rows = set(re.findall(r"^\| `(SLOTINFER_[A-Z0-9_]+)` \|", table, re.M))
     assert in_settings and in_settings <= rows, f"undocumented: {sorted(in_settings - rows)}"
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 
+from ... import settings
+
 # GGUF type names -> the extension's format names
 FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q4_k": 144, "q6_k": 210}  # a block, as stored
@@ -35,11 +37,14 @@ def load():
     """The built extension, ready (its thread count set), or None (see :func:`status`)."""
     global _module, _error, _tried
     if not _tried:
+        int8 = settings.int8_activations()  # a bad value raises here, naming the variable
         _tried = True
         try:
             _module = _import()
         except Exception as e:  # noqa: BLE001 - a broken build must leave the float32 path working
             _module, _error = None, f"it failed to load ({e!r})"
+        if _module is not None:
+            _module.set_int8_activations(int8)
     return _module
 
 
@@ -78,7 +83,8 @@ def status() -> str:
     module = load()
     if module is None:
         return f"unavailable: {_error}"
-    return f"{module.kernels()} loops, {module.threads()} threads"
+    int8 = f", 8-bit activations ({module.int8_kernels()} loops)" if module.int8_activations() else ""
+    return f"{module.kernels()} loops, {module.threads()} threads{int8}"
 
 
 def qlinear(x, w, fmt: str, *, spare: bool = True):

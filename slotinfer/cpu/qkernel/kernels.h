@@ -4,6 +4,7 @@
 #pragma once
 
 #include "decode_ops.h"
+#include "kernels_i8.h"
 #include "qkernels.h"
 #include "simd.h"
 
@@ -46,6 +47,7 @@ inline void on_isa(Fn&& fn) {
 
 // One thread's share of a product, rows in chunks of ROW_CHUNK so a chunk of x stays in the L2 cache.
 inline void columns(const Job& job, std::vector<float>& buf) {
+  if (int8_activations()) return columns_i8(job);  // the option: 8-bit activations (kernels_i8.h)
   for (int r0 = 0; r0 < job.m; r0 += ROW_CHUNK) {
     Job part = job;
     part.x = job.x + (size_t)r0 * job.k;

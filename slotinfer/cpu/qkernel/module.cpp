@@ -13,6 +13,7 @@
 #include "pool.h"
 #include "prefill_attention.h"
 #include "primitives.h"
+#include "kernels_i8.h"
 #include "qkernels.h"
 
 #ifndef QK_MLX_VERSION
@@ -60,6 +61,10 @@ NB_MODULE(_qkernel, m) {
   m.def("set_spare_rows", [](int rows) { g_spare_rows = rows; }, "rows"_a,
         "products of at most this many rows leave one core to the other threads (default 4; 0: never)");
   m.def("set_spin_us", [](int us) { g_pool->spin_us = std::max(0, us); }, "microseconds"_a);
+  m.def("set_int8_activations", [](bool on) { int8_activations() = on; }, "on"_a,
+        "products quantize each row of x to int8 per block of 32 and multiply in integers (kernels_i8.h)");
+  m.def("int8_activations", []() { return int8_activations(); });
+  m.def("int8_kernels", []() { return std::string(int8_loops()); }, "the int8 loops in use (avx512vnni, portable)");
   m.def("kernels", []() { return std::string(isa_name(isa())); }, "the loops in use");
   m.def("best_kernels", []() { return std::string(isa_name(best_isa())); }, "the best loops this CPU runs");
   m.def(
