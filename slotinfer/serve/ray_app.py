@@ -30,7 +30,7 @@ from .remote import RemoteBackend
 
 ROUTERS = {"prefix": "slotinfer.serve.routing:PrefixRouter",
            "round_robin": "slotinfer.serve.routing:RoundRobinRouter",
-           "pow2": None}  # Serve's own: power of two choices by queue length
+           "pow2": "slotinfer.serve.routing:Pow2Router"}  # Serve's own (power of two choices by queue length), pinning
 DEFAULT_MAX_LEN = 2048
 STATS_PERIOD_S = 1.0  # how often each replica reports its queue depth and free K/V blocks to the routers
 
@@ -46,13 +46,18 @@ class Replica:
         self.backend = LocalBackend(self.inf)
         ctx = serve.get_replica_context()
         self.id = str(getattr(ctx.replica_id, "unique_id", ctx.replica_id))
+        self._calls: dict[str, list] = {}  # a streaming call's id -> its rows' handles, while it runs
+        self.rows_cancelled = 0  # rows stopped before their end: their caller cancelled them, or went away
 
-    def info(self) -> dict:
+    def info(self, pin: str | None = None) -> dict:
+        """What the ingress needs to know of the replicas (they are alike), with this one's id and stats;
+        ``pin``: a replica's id, to ask that one (the routers honour it)."""
         b = self.backend
         return {"max_len": b.max_len, "slots": b.slots, "max_queue": b.max_queue, "block_tokens": b.block_tokens,
-                "replica": self.id, "stats": self.inf.stats()}
+                "replica": self.id, "stats": self.inf.stats(),
+                "calls": len(self._calls), "rows_cancelled": self.rows_cancelled}
 
-    async def generate(self, rows: list, route=None, blocks: int = 0):
+    async def generate(self, rows: list, route=None, blocks: int = 0, call: str | None = None):
         """A request's rows (``[(prompt ids, params)]``, taken whole or refused whole), streamed:
         ("accepted", replica) first, or ("error", exception) alone when the rows were refused; then
         lists of items, in order: ("event", row, StreamEvent) per token, ("done", row, Completion) or
@@ -60,7 +65,9 @@ class Replica:
         came since the last one was sent: one item while the caller keeps up, several when tokens
         came faster than the messages went (a message per item would fall further behind), never
         waiting for more.  ``route`` and ``blocks`` are the router's (the first prompt's block
-        hashes, the blocks the rows need)."""
+        hashes, the blocks the rows need); ``call``: a name the caller gives the call, for
+        :meth:`cancel_rows`.  Closing the stream (the caller cancelled it, or went away) cancels
+        the rows still running: Serve raises CancelledError here at the ``yield``."""
         try:
             handles = await self.backend.submit(rows)
         except Exception as e:  # noqa: BLE001 -- the caller answers it (QueueFull: 429; a bad row: 400)
@@ -77,6 +84,8 @@ class Replica:
                 events.put_nowait(("error", i, e))
 
         pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        if call is not None:
+            self._calls[call] = handles
         try:
             yield ("accepted", self.id)
             left = len(handles)
@@ -89,10 +98,21 @@ class Replica:
                     batch.append(("stats", self.id, self.inf.stats()))
                 yield batch
         finally:
-            for h in handles:
-                h.cancel()  # the caller went away (or the rows ended): free their slots at the next step
+            self._calls.pop(call, None)
+            # the caller went away (or the rows ended: a no-op then): free their slots at the next step
+            self.rows_cancelled += sum(_stop(h) for h in handles)
             for p in pumps:
                 p.cancel()
+
+    async def cancel_rows(self, call: str, rows: list[int], pin: str | None = None) -> int:
+        """Stop rows ``rows`` (indices) of the streaming call named ``call``, the call's other rows running
+        on: each ends at the engine's next step, with what it made so far.  ``pin``: this replica's id,
+        which the routers send the call to.  Returns how many were still running here (0 on a replica
+        that never ran that call: one the router fell back to, its pinned replica gone)."""
+        handles = self._calls.get(call) or []
+        stopped = sum(_stop(handles[i]) for i in rows if 0 <= i < len(handles))
+        self.rows_cancelled += stopped
+        return stopped
 
     async def submit_job(self, kind: str, rows, kw: dict):
         submit = {"classify": self.backend.submit_classify, "score": self.backend.submit_score,
@@ -116,6 +136,11 @@ class Replica:
         inf = getattr(self, "inf", None)
         if inf is not None:
             inf.close(drain=False)
+
+
+def _stop(handle) -> bool:
+    """Cancel a row's handle; True when that stopped it (it ran, and had not been cancelled before)."""
+    return not handle.cancel_requested and handle.cancel()
 
 
 class Ingress:
