@@ -32,13 +32,15 @@ ROUTERS = {"prefix": "slotinfer.serve.routing:PrefixRouter",
            "round_robin": "slotinfer.serve.routing:RoundRobinRouter",
            "pow2": "slotinfer.serve.routing:Pow2Router"}  # Serve's own (power of two choices by queue length), pinning
 DEFAULT_MAX_LEN = 2048
+HOLD_MAX_S = 0.5  # the longest a replica holds a row's tokens to send more at once (stream_interval > 1)
 STATS_PERIOD_S = 1.0  # how often each replica reports its queue depth and free K/V blocks to the routers
 
 
 class Replica:
     """One Inferencer over ``model``; ``engine``: the Inferencer's keyword arguments."""
 
-    def __init__(self, model: str, engine: dict):
+    def __init__(self, model: str, engine: dict, stream_interval: int = 1):
+        self.stream_interval = stream_interval
         loaded = slotinfer.load(model)
         engine = {"max_len": min(DEFAULT_MAX_LEN, loaded.context_length), **engine}  # as slotinfer serve's
         self.inf = slotinfer.Inferencer(loaded, **engine)
@@ -64,9 +66,11 @@ class Replica:
         ("error", row, exception) per row, and ("stats", replica, stats) last.  Each list holds what
         came since the last one was sent: one item while the caller keeps up, several when tokens
         came faster than the messages went (a message per item would fall further behind), never
-        waiting for more.  ``route`` and ``blocks`` are the router's (the first prompt's block
-        hashes, the blocks the rows need); ``call``: a name the caller gives the call, for
-        :meth:`cancel_rows`.  Closing the stream (the caller cancelled it, or went away) cancels
+        waiting for more, unless the replica's ``stream_interval`` is N > 1: then, after the first
+        token, a list is sent once it holds N tokens a row, or a row ended, or HOLD_MAX_S passed
+        (fewer messages for as many tokens: less CPU in the ingress and Serve's proxy).  ``route``
+        and ``blocks`` are the router's (the first prompt's block hashes, the blocks the rows
+        need); ``call``: a name the caller gives the call, for :meth:`cancel_rows`.  Closing the stream (the caller cancelled it, or went away) cancels
         the rows still running: Serve raises CancelledError here at the ``yield``."""
         try:
             handles = await self.backend.submit(rows)
@@ -88,15 +92,28 @@ class Replica:
             self._calls[call] = handles
         try:
             yield ("accepted", self.id)
-            left = len(handles)
+            left, batch, first, since = len(handles), [], True, 0.0
             while left:
-                batch = [await events.get()]
-                while not events.empty():
-                    batch.append(events.get_nowait())
-                left -= sum(item[0] != "event" for item in batch)
+                try:
+                    if batch:  # held for more tokens: not past HOLD_MAX_S
+                        wait = since + HOLD_MAX_S - asyncio.get_running_loop().time()
+                        batch.append(await asyncio.wait_for(events.get(), max(wait, 0.0)))
+                    else:
+                        batch.append(await events.get())
+                        since = asyncio.get_running_loop().time()
+                except asyncio.TimeoutError:
+                    pass
+                else:
+                    while not events.empty():
+                        batch.append(events.get_nowait())
+                    ended = sum(item[0] != "event" for item in batch)
+                    if self.stream_interval > 1 and not (first or ended) and len(batch) < self.stream_interval * left:
+                        continue  # fewer than stream_interval tokens a row yet: held for more
+                    left -= ended
                 if not left:
                     batch.append(("stats", self.id, self.inf.stats()))
                 yield batch
+                batch, first = [], False
         finally:
             self._calls.pop(call, None)
             # the caller went away (or the rows ended: a no-op then): free their slots at the next step
@@ -222,7 +239,8 @@ class Dispatcher:
 def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] | None = None,
               routing: str = "prefix", slots: int = 32, max_queue: int = 64, max_len: int | None = None,
               engine: dict | None = None, num_cpus: float = 1.0, num_gpus: float = 0, replica_options: dict | None = None,
-              api_key: str | None = None, ingress_replicas: int = 1, ingress_cpus: float = 0.5, **shell):
+              api_key: str | None = None, ingress_replicas: int = 1, ingress_cpus: float = 0.5, stream_interval: int = 1,
+              **shell):
     """A Ray Serve application of slotinfer replicas, for ``serve.run`` (or a Serve config file's
     ``import_path``).
 
@@ -233,7 +251,9 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
     replica that holds that start), "pow2" (Serve's default: the shorter queue of two), "round_robin".
     ``slots``, ``max_queue``, ``max_len`` and ``engine`` (more Inferencer arguments) configure each
     replica's Inferencer; ``num_cpus``/``num_gpus``: what each replica asks Ray for, and
-    ``replica_options`` more of its Ray actor options (``runtime_env``, ``resources``).  The rest
+    ``replica_options`` more of its Ray actor options (``runtime_env``, ``resources``).
+    ``stream_interval=N``: a replica sends a streamed row's tokens N at a time (the first at once),
+    for less CPU per token in the ingress and Serve's proxy at the cost of burstier streams.  The rest
     (``api_key``, ``max_body_bytes``, ``read_timeout``, ``retry_after``) configure the routes, as
     :func:`~slotinfer.serve.build_app`'s.
     """
@@ -251,6 +271,8 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
         lo, hi = autoscale
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise InvalidRequestError(f"autoscale must be (MIN, MAX) with 1 <= MIN <= MAX, got {autoscale!r}")
+    if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
+        raise InvalidRequestError(f"stream_interval must be an int >= 1 (tokens a message), got {stream_interval!r}")
     if routing not in ROUTERS:
         raise InvalidRequestError(f"routing must be one of {sorted(ROUTERS)}, got {routing!r}")
     engine = dict(engine or {}, slots=slots, max_queue=max_queue)
@@ -269,7 +291,7 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
                                       ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus,
                                                          **(replica_options or {})},
                                       request_router_config=router, health_check_period_s=2, **scale)
-        bound[name] = deployment.bind(path, engine)
+        bound[name] = deployment.bind(path, engine, stream_interval)
     ingress = serve.deployment(serve.ingress()(Ingress), name="slotinfer-ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=10_000, ray_actor_options={"num_cpus": ingress_cpus})
     return ingress.bind(bound, paths, dict(shell, api_key=api_key))

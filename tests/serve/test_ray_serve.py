@@ -179,6 +179,8 @@ def test_bad_configuration_is_a_clear_error_at_start(model_path, tmp_path, capsy
         sr.serve_app(model_path, replicas=0)
     with pytest.raises(slotinfer.InvalidRequestError, match="autoscale"):
         sr.serve_app(model_path, autoscale=(3, 1))
+    with pytest.raises(slotinfer.InvalidRequestError, match="stream_interval must be an int >= 1"):
+        sr.serve_app(model_path, replicas=1, stream_interval=0)
     with pytest.raises(slotinfer.ModelNotFoundError, match="no model at"):
         sr.serve_app(str(tmp_path / "absent"), replicas=1)
     with pytest.raises(slotinfer.InvalidRequestError, match="need 'model'"):
@@ -233,16 +235,18 @@ def _live(infos: dict) -> int:
 def test_pinned_calls_reach_their_replica(fleet, model_path, model):
     """Each router sends a call pinned to a replica there, among unpinned calls routed at the same time:
     the prefix router here, and Serve's own power of two choices (whose waiting requests are served in
-    order, any replica found going to the first) in an application of its own."""
+    order, any replica found going to the first) in an application of its own, whose replicas send
+    tokens two a message (``stream_interval=2``)."""
     infos = _replicas()
     assert len(infos) == 2 and all(i["replica"] == rid for rid, i in infos.items())
-    serve.run(sr.serve_app(model_path, replicas=2, routing="pow2", num_cpus=0.25, ingress_cpus=0.25, **ENGINE),
+    serve.run(sr.serve_app(model_path, replicas=2, routing="pow2", num_cpus=0.25, ingress_cpus=0.25, stream_interval=2,
+                           **ENGINE),
               name="pow2", route_prefix="/pow2")
     try:
         handle = serve.get_deployment_handle("slotinfer-qwen3", app_name="pow2")
         ids = {handle.info.remote().result(timeout_s=60)["replica"] for _ in range(20)}
         assert len(ids) == 2, ids  # the unpinned calls went to both
-        rows = [(model.encode_prompt(_system(i, 6)), {"max_tokens": 8}) for i in range(8)]
+        rows = [(model.encode_prompt(_system(i, 6)), {"max_tokens": 8, "ignore_eos": True}) for i in range(8)]
 
         async def burst():  # rounds of 4 calls at once (the handle queues 4 at most)
             got = []
@@ -253,6 +257,11 @@ def test_pinned_calls_reach_their_replica(fleet, model_path, model):
                 for gen in unpinned:
                     items = [item async for item in gen]  # read to the end: the rows finish
                     assert items[0] == ("accepted", items[-1][-1][1]) and items[-1][-1][0] == "stats"
+                    tokens = [ev.token for batch in items[1:] for kind, _, ev in batch if kind == "event"]
+                    [done] = [c for batch in items[1:] for kind, _, c in batch if kind == "done"]
+                    assert tokens == done.tokens and len(tokens) == 8
+                    # stream_interval=2: after the first token, two a message (fewer if a step is slow)
+                    assert len(items) - 1 < len(tokens), items
             return got
 
         got = asyncio.run(burst())
