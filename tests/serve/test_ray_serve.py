@@ -188,6 +188,9 @@ def test_bad_configuration_is_a_clear_error_at_start(model_path, tmp_path, capsy
     assert type(build({"model": model_path, "autoscale": [1, 2]})).__name__ == "Application"
     assert main(["serve", model_path, "--ray", "--ray-address", f"127.0.0.1:{_free_port()}"]) == 2
     assert "no Ray cluster answers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", model_path, "--ray", "--stream-interval", "0"])
+    assert e.value.code == 2 and "--stream-interval" in capsys.readouterr().err
 
 
 def test_several_models_under_their_names(model):
