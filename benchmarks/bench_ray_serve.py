@@ -15,11 +15,13 @@ shapes), runs alternate (serve, ray, ray, serve, ...) and the figures are median
 runs of each: tokens/s and TTFT p50, and their ratios.  Beside
 them, the CPU time each side's processes took per generated token (the server's process; the
 replica's, the ingress's and Serve's HTTP proxy's): a figure the machine's other work moves far
-less than the wall-clock ones.
+less than the wall-clock ones.  ``--stream-interval N``: the replica sends a row's tokens N a
+message (``serve_app``'s ``stream_interval``).
 
     python benchmarks/bench_ray_serve.py
     python benchmarks/bench_ray_serve.py --part routing --routing prefix,round_robin
     python benchmarks/bench_ray_serve.py --part overhead --rounds 3 --model PATH
+    python benchmarks/bench_ray_serve.py --part overhead --stream-interval 4
 """
 
 from __future__ import annotations
