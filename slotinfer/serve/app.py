@@ -331,16 +331,17 @@ class _Server:
         try:
             for chunk in shaper.opening(len(handles)):
                 yield chunk
-            left, failed = len(handles), None
+            left, failed, ready = len(handles), None, []
             while left:
+                if ready and events.empty():  # the chunks of the events that came together: one write
+                    yield "".join(ready)
+                    ready = []
                 i, ev = await self._next(events, shaper)
                 if i is None:  # nothing for a while (a long prompt's prefill): tell the client the stream lives
-                    for chunk in shaper.keepalive():
-                        yield chunk
+                    ready += shaper.keepalive()
                     continue
                 if ev is not None:  # a chunk per token, even one whose text waits for more bytes
-                    for chunk in shaper.text_chunks(i, ev.text, logprobs=shaper.event_logprobs(ev)):
-                        yield chunk
+                    ready += shaper.text_chunks(i, ev.text, logprobs=shaper.event_logprobs(ev))
                     continue
                 left -= 1
                 try:
@@ -352,8 +353,9 @@ class _Server:
                     failed = cut_short()
                     break
                 generated += len(c.tokens)
-                for chunk in shaper.end_chunks(i, c.finish_reason):
-                    yield chunk
+                ready += shaper.end_chunks(i, c.finish_reason)
+            if ready:
+                yield "".join(ready)
             if failed is not None:
                 outcome = "cancelled" if failed.code == "shutting_down" else "error"
                 for chunk in shaper.failure(failed):

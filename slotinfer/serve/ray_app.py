@@ -30,15 +30,17 @@ from .remote import RemoteBackend
 
 ROUTERS = {"prefix": "slotinfer.serve.routing:PrefixRouter",
            "round_robin": "slotinfer.serve.routing:RoundRobinRouter",
-           "pow2": None}  # Serve's own: power of two choices by queue length
+           "pow2": "slotinfer.serve.routing:Pow2Router"}  # Serve's own (power of two choices by queue length), pinning
 DEFAULT_MAX_LEN = 2048
+HOLD_MAX_S = 0.5  # the longest a replica holds a row's tokens to send more at once (stream_interval > 1)
 STATS_PERIOD_S = 1.0  # how often each replica reports its queue depth and free K/V blocks to the routers
 
 
 class Replica:
     """One Inferencer over ``model``; ``engine``: the Inferencer's keyword arguments."""
 
-    def __init__(self, model: str, engine: dict):
+    def __init__(self, model: str, engine: dict, stream_interval: int = 1):
+        self.stream_interval = stream_interval
         loaded = slotinfer.load(model)
         engine = {"max_len": min(DEFAULT_MAX_LEN, loaded.context_length), **engine}  # as slotinfer serve's
         self.inf = slotinfer.Inferencer(loaded, **engine)
@@ -46,21 +48,30 @@ class Replica:
         self.backend = LocalBackend(self.inf)
         ctx = serve.get_replica_context()
         self.id = str(getattr(ctx.replica_id, "unique_id", ctx.replica_id))
+        self._calls: dict[str, list] = {}  # a streaming call's id -> its rows' handles, while it runs
+        self.rows_cancelled = 0  # rows stopped before their end: their caller cancelled them, or went away
 
-    def info(self) -> dict:
+    def info(self, pin: str | None = None) -> dict:
+        """What the ingress needs to know of the replicas (they are alike), with this one's id and stats;
+        ``pin``: a replica's id, to ask that one (the routers honour it)."""
         b = self.backend
         return {"max_len": b.max_len, "slots": b.slots, "max_queue": b.max_queue, "block_tokens": b.block_tokens,
-                "replica": self.id, "stats": self.inf.stats()}
+                "replica": self.id, "stats": self.inf.stats(),
+                "calls": len(self._calls), "rows_cancelled": self.rows_cancelled}
 
-    async def generate(self, rows: list, route=None, blocks: int = 0):
+    async def generate(self, rows: list, route=None, blocks: int = 0, call: str | None = None):
         """A request's rows (``[(prompt ids, params)]``, taken whole or refused whole), streamed:
         ("accepted", replica) first, or ("error", exception) alone when the rows were refused; then
         lists of items, in order: ("event", row, StreamEvent) per token, ("done", row, Completion) or
         ("error", row, exception) per row, and ("stats", replica, stats) last.  Each list holds what
         came since the last one was sent: one item while the caller keeps up, several when tokens
         came faster than the messages went (a message per item would fall further behind), never
-        waiting for more.  ``route`` and ``blocks`` are the router's (the first prompt's block
-        hashes, the blocks the rows need)."""
+        waiting for more, unless the replica's ``stream_interval`` is N > 1: then, after the first
+        token, a list is sent once it holds N tokens a row, or a row ended, or HOLD_MAX_S passed
+        (fewer messages for as many tokens: less CPU in the ingress and Serve's proxy).  ``route``
+        and ``blocks`` are the router's (the first prompt's block hashes, the blocks the rows
+        need); ``call``: a name the caller gives the call, for :meth:`cancel_rows`.  Closing the stream (the caller cancelled it, or went away) cancels
+        the rows still running: Serve raises CancelledError here at the ``yield``."""
         try:
             handles = await self.backend.submit(rows)
         except Exception as e:  # noqa: BLE001 -- the caller answers it (QueueFull: 429; a bad row: 400)
@@ -77,22 +88,48 @@ class Replica:
                 events.put_nowait(("error", i, e))
 
         pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        if call is not None:
+            self._calls[call] = handles
         try:
             yield ("accepted", self.id)
-            left = len(handles)
+            left, batch, first, since = len(handles), [], True, 0.0
             while left:
-                batch = [await events.get()]
-                while not events.empty():
-                    batch.append(events.get_nowait())
-                left -= sum(item[0] != "event" for item in batch)
+                try:
+                    if batch:  # held for more tokens: not past HOLD_MAX_S
+                        wait = since + HOLD_MAX_S - asyncio.get_running_loop().time()
+                        batch.append(await asyncio.wait_for(events.get(), max(wait, 0.0)))
+                    else:
+                        batch.append(await events.get())
+                        since = asyncio.get_running_loop().time()
+                except asyncio.TimeoutError:
+                    pass
+                else:
+                    while not events.empty():
+                        batch.append(events.get_nowait())
+                    ended = sum(item[0] != "event" for item in batch)
+                    if self.stream_interval > 1 and not (first or ended) and len(batch) < self.stream_interval * left:
+                        continue  # fewer than stream_interval tokens a row yet: held for more
+                    left -= ended
                 if not left:
                     batch.append(("stats", self.id, self.inf.stats()))
                 yield batch
+                batch, first = [], False
         finally:
-            for h in handles:
-                h.cancel()  # the caller went away (or the rows ended): free their slots at the next step
+            self._calls.pop(call, None)
+            # the caller went away (or the rows ended: a no-op then): free their slots at the next step
+            self.rows_cancelled += sum(_stop(h) for h in handles)
             for p in pumps:
                 p.cancel()
+
+    async def cancel_rows(self, call: str, rows: list[int], pin: str | None = None) -> int:
+        """Stop rows ``rows`` (indices) of the streaming call named ``call``, the call's other rows running
+        on: each ends at the engine's next step, with what it made so far.  ``pin``: this replica's id,
+        which the routers send the call to.  Returns how many were still running here (0 on a replica
+        that never ran that call: one the router fell back to, its pinned replica gone)."""
+        handles = self._calls.get(call) or []
+        stopped = sum(_stop(handles[i]) for i in rows if 0 <= i < len(handles))
+        self.rows_cancelled += stopped
+        return stopped
 
     async def submit_job(self, kind: str, rows, kw: dict):
         submit = {"classify": self.backend.submit_classify, "score": self.backend.submit_score,
@@ -116,6 +153,11 @@ class Replica:
         inf = getattr(self, "inf", None)
         if inf is not None:
             inf.close(drain=False)
+
+
+def _stop(handle) -> bool:
+    """Cancel a row's handle; True when that stopped it (it ran, and had not been cancelled before)."""
+    return not handle.cancel_requested and handle.cancel()
 
 
 class Ingress:
@@ -197,7 +239,8 @@ class Dispatcher:
 def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] | None = None,
               routing: str = "prefix", slots: int = 32, max_queue: int = 64, max_len: int | None = None,
               engine: dict | None = None, num_cpus: float = 1.0, num_gpus: float = 0, replica_options: dict | None = None,
-              api_key: str | None = None, ingress_replicas: int = 1, ingress_cpus: float = 0.5, **shell):
+              api_key: str | None = None, ingress_replicas: int = 1, ingress_cpus: float = 0.5, stream_interval: int = 1,
+              **shell):
     """A Ray Serve application of slotinfer replicas, for ``serve.run`` (or a Serve config file's
     ``import_path``).
 
@@ -208,7 +251,9 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
     replica that holds that start), "pow2" (Serve's default: the shorter queue of two), "round_robin".
     ``slots``, ``max_queue``, ``max_len`` and ``engine`` (more Inferencer arguments) configure each
     replica's Inferencer; ``num_cpus``/``num_gpus``: what each replica asks Ray for, and
-    ``replica_options`` more of its Ray actor options (``runtime_env``, ``resources``).  The rest
+    ``replica_options`` more of its Ray actor options (``runtime_env``, ``resources``).
+    ``stream_interval=N``: a replica sends a streamed row's tokens N at a time (the first at once),
+    for less CPU per token in the ingress and Serve's proxy at the cost of burstier streams.  The rest
     (``api_key``, ``max_body_bytes``, ``read_timeout``, ``retry_after``) configure the routes, as
     :func:`~slotinfer.serve.build_app`'s.
     """
@@ -226,6 +271,8 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
         lo, hi = autoscale
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise InvalidRequestError(f"autoscale must be (MIN, MAX) with 1 <= MIN <= MAX, got {autoscale!r}")
+    if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
+        raise InvalidRequestError(f"stream_interval must be an int >= 1 (tokens a message), got {stream_interval!r}")
     if routing not in ROUTERS:
         raise InvalidRequestError(f"routing must be one of {sorted(ROUTERS)}, got {routing!r}")
     engine = dict(engine or {}, slots=slots, max_queue=max_queue)
@@ -244,7 +291,7 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
                                       ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus,
                                                          **(replica_options or {})},
                                       request_router_config=router, health_check_period_s=2, **scale)
-        bound[name] = deployment.bind(path, engine)
+        bound[name] = deployment.bind(path, engine, stream_interval)
     ingress = serve.deployment(serve.ingress()(Ingress), name="slotinfer-ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=10_000, ray_actor_options={"num_cpus": ingress_cpus})
     return ingress.bind(bound, paths, dict(shell, api_key=api_key))

@@ -2,7 +2,10 @@
 routes ``slotinfer serve`` runs) handles whose tokens come from a replica's Inferencer.
 
 A request's rows are one streaming call of a replica's ``generate``; its first item says the
-replica took them (or why not: a full queue is the shell's 429).  A call whose replica died
+replica took them (or why not: a full queue is the shell's 429).  A row cancelled here while
+others of its call run on is stopped on the replica by a ``cancel_rows`` call pinned to it (the
+routers honour ``pin``); once every row is, the streaming call itself is cancelled, which ends
+the replica's generator and the rows it still ran.  A call whose replica died
 before taking it is sent again, to another replica; rows under way when their replica dies end
 with an error the shell turns into a stream's error event (or a 503), never a silent cut.
 """
@@ -10,6 +13,8 @@ with an error the shell turns into a stream's error event (or a 503), never a si
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
@@ -20,6 +25,10 @@ from .errors import APIError
 from .routing import prefix_hashes
 
 TRIES = 3  # replicas a row that no replica took is offered to
+CANCEL_TRIES = 6  # a cancel_rows call refused (the handle's queue full) is sent again, after 0.05 s, 0.1 s, ...
+
+log = logging.getLogger(__name__)
+_pending: set = set()  # cancel_rows calls under way (a task with no reference may be collected)
 
 
 def replica_gone(action: str) -> APIError:
@@ -71,13 +80,16 @@ class RemoteCall:
         ids, params = rows[0]
         self.route = prefix_hashes(ids, backend.block_tokens, params.get("cache_salt"))
         self.blocks = sum(-(-(len(i) + (p.get("max_tokens") or 0)) // backend.block_tokens) for i, p in rows)
-        self.rows = [RemoteHandle(self, ids) for ids, _ in rows]
+        self.rows = [RemoteHandle(self, i, ids) for i, (ids, _) in enumerate(rows)]
+        self.id, self.replica = uuid.uuid4().hex, None  # the call's name on its replica; the replica's id
         self._gen = self._reader = None
+        self._running = set(range(len(rows)))  # the rows the replica has not ended
+        self._to_cancel: list[int] = []  # rows cancelled here since the last cancel_rows call
 
     async def start(self):
         """Until a replica takes the rows: one that dies first is replaced by another; a refusal raises."""
         for _ in range(TRIES):
-            gen = self.backend.streaming.generate.remote(self.todo, route=self.route, blocks=self.blocks)
+            gen = self.backend.streaming.generate.remote(self.todo, route=self.route, blocks=self.blocks, call=self.id)
             try:
                 kind, *payload = await gen.__anext__()
             except RayActorError:
@@ -91,7 +103,7 @@ class RemoteCall:
                 raise
             if kind == "error":
                 raise payload[0]
-            self._gen = gen
+            self._gen, self.replica = gen, payload[0]
             self._reader = asyncio.ensure_future(self._read())
             return
         raise replica_gone("before it took this request, as did the replicas tried after it")
@@ -104,8 +116,10 @@ class RemoteCall:
                     if kind == "event":
                         rows[payload[0]]._event(payload[1])
                     elif kind == "done":
+                        self._running.discard(payload[0])
                         rows[payload[0]]._end(result=payload[1])
                     elif kind == "error":
+                        self._running.discard(payload[0])
                         rows[payload[0]]._end(error=payload[1])
                     elif kind == "stats":
                         self.backend._stats[payload[0]] = payload[1]
@@ -121,16 +135,45 @@ class RemoteCall:
             for r in rows:
                 r._end()
 
-    def row_cancelled(self):
-        if self._gen is not None and all(r.done() for r in self.rows):
+    def row_cancelled(self, row: int):
+        """Row ``row`` was cancelled here: stop it on the replica too, once the rows cancelled in the same
+        turn of the loop are known (a request that ends cancels all its rows at once: one message)."""
+        if not self._to_cancel:
+            asyncio.get_running_loop().call_soon(self._send_cancels)
+        self._to_cancel.append(row)
+
+    def _send_cancels(self):
+        rows, self._to_cancel = sorted(set(self._to_cancel) & self._running), []
+        if self._gen is None or not rows:
+            return
+        if all(r.done() for r in self.rows):  # nothing left to read: the call ends, and its rows with it
             self._gen.cancel()
+            return
+        task = asyncio.ensure_future(self._cancel_rows(rows))
+        _pending.add(task)
+        task.add_done_callback(_pending.discard)
+
+    async def _cancel_rows(self, rows: list[int]):
+        for attempt in range(CANCEL_TRIES):
+            try:
+                await self.backend.handle.cancel_rows.remote(self.id, rows, pin=self.replica)
+                return
+            except BackPressureError:
+                await asyncio.sleep(0.05 * 2**attempt)
+            except RayActorError:
+                return  # the replica died: its rows with it
+            except Exception as e:  # noqa: BLE001 -- the rows run on to their end: logged, nothing lost
+                log.warning("rows %s of a request could not be stopped on replica %s: %r", rows, self.replica, e)
+                return
+        log.warning("rows %s of a request could not be stopped on replica %s: its queue stayed full", rows,
+                    self.replica)
 
 
 class RemoteHandle:
     """One row of a :class:`RemoteCall`, read as a :class:`~slotinfer.Handle` is."""
 
-    def __init__(self, call: RemoteCall, ids: list[int]):
-        self.call, self.ids = call, ids
+    def __init__(self, call: RemoteCall, index: int, ids: list[int]):
+        self.call, self.index, self.ids = call, index, ids
         self._events: asyncio.Queue = asyncio.Queue()
         self._result: Completion | None = None
         self._error: BaseException | None = None
@@ -152,11 +195,11 @@ class RemoteHandle:
         self._events.put_nowait(None)
 
     def cancel(self) -> bool:
-        """Ends the row here with what came so far; the replica's call is cancelled once all its rows are."""
+        """Ends the row here with what came so far, and on its replica at the engine's next step."""
         if self._done:
             return False
         self._end()
-        self.call.row_cancelled()
+        self.call.row_cancelled(self.index)
         return True
 
     def done(self) -> bool:

@@ -12,7 +12,13 @@ replica is busy (every slot taken, or short of free K/V blocks) while another ha
 otherwise to the least loaded.  Load is what this router has sent and not seen end, with the
 queue depth and free blocks each replica reports (``record_routing_stats``).
 
-:class:`RoundRobinRouter` takes the replicas in turn (a plain balancer, for comparison).
+:class:`RoundRobinRouter` takes the replicas in turn (a plain balancer, for comparison);
+:class:`Pow2Router` is Serve's own power of two choices (the shorter queue of two).
+
+Each of them sends a call whose ``pin`` keyword names a replica (its id, as the replica's
+``generate`` reported it) to that replica: the ingress reaches the replica that runs a request
+again that way, to stop some of its rows (``cancel_rows``).  A pinned replica that is gone takes no
+call; the call goes to another, where it finds nothing of its own to do.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import itertools
 import random
 from collections import OrderedDict
 
+from ray.serve._private.request_router import (
+    PowerOfTwoChoicesRequestRouter,  # Serve's default; not public in 2.60
+)
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from ..kv.block_pool import chain_hash
@@ -36,6 +45,20 @@ def prefix_hashes(ids, block_tokens: int, salt: str | None, most: int = MAX_BLOC
         parent = chain_hash(parent, tuple(ids[start:start + block_tokens]), salt)
         out.append(parent)
     return out
+
+
+def _pin(pending_request: PendingRequest | None):
+    return pending_request.kwargs.get("pin") if pending_request is not None else None
+
+
+def pinned(candidates: list[RunningReplica], pending_request: PendingRequest | None) -> list[list[RunningReplica]] | None:
+    """The choice for a call pinned to one replica (its ``pin`` keyword, a replica's id): that replica,
+    or any while it is not among the candidates (gone); None for a call not pinned."""
+    pin = _pin(pending_request)
+    if pin is None:
+        return None
+    mine = [r for r in candidates if r.replica_id.unique_id == pin]
+    return [mine] if mine else [candidates]
 
 
 class PrefixRouter(RequestRouter):
@@ -60,6 +83,9 @@ class PrefixRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pin = pinned(candidate_replicas, pending_request)
+        if pin is not None:
+            return pin
         ranked = sorted(candidate_replicas, key=lambda r: (self._load(r), random.random()))
         kw = pending_request.kwargs if pending_request is not None else {}
         hashes, blocks = kw.get("route") or (), kw.get("blocks", 0)
@@ -99,6 +125,40 @@ class RoundRobinRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pin = pinned(candidate_replicas, pending_request)
+        if pin is not None:
+            return pin
         ordered = sorted(candidate_replicas, key=lambda r: str(r.replica_id))
         i = next(self._turn) % len(ordered)
         return [ordered[i:i + 1], ordered[i + 1:] + ordered[:i]]
+
+
+class Pow2Router(PowerOfTwoChoicesRequestRouter):
+    """Serve's default router (two replicas drawn at random, the shorter queue taken; requests served in
+    the order they came), with pinned calls sent to their replica.
+
+    Serve's router hands the replica a routing task found to the first request waiting, whichever
+    request the task was routing: a replica found for a pinned call goes to that call alone, and one
+    found for another request to the first waiting request that is not pinned."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        pin = pinned(candidate_replicas, pending_request) if candidate_replicas else None
+        if pin is not None:
+            return pin
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None):
+        exact = self._get_pending_request_matching_internal_request_id(request_metadata)
+        if exact is not None and _pin(exact) is not None:
+            return RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
+        waiting = self._pending_requests_to_fulfill
+        while waiting and waiting[0].future.done():
+            waiting.popleft()
+        first = next((pr for pr in waiting if not pr.future.done() and _pin(pr) is None), None)
+        if first is not None:
+            waiting.remove(first)
+            self._cancel_routing_task_for_pending_request(first)
+            self._record_queue_wait_time(first)
+            first.future.set_result(replica)
+            self._remove_pending_request_from_indices(first)

@@ -3,6 +3,7 @@ the ingress, driven by the ``openai`` client, against one ``slotinfer serve`` ov
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from slotinfer.serve.app import shell_app  # noqa: E402
 from slotinfer.serve.backend import LocalBackend  # noqa: E402
 from slotinfer.serve.background import serving  # noqa: E402
 from slotinfer.serve.ray_app import Dispatcher, build  # noqa: E402
+from slotinfer.serve.remote import RemoteBackend  # noqa: E402
 
 NAME = "qwen3"  # the tiny model's folder: its name in the API
 SLOTS, QUEUE, MAX_LEN = 4, 4, 256
@@ -177,6 +179,8 @@ def test_bad_configuration_is_a_clear_error_at_start(model_path, tmp_path, capsy
         sr.serve_app(model_path, replicas=0)
     with pytest.raises(slotinfer.InvalidRequestError, match="autoscale"):
         sr.serve_app(model_path, autoscale=(3, 1))
+    with pytest.raises(slotinfer.InvalidRequestError, match="stream_interval must be an int >= 1"):
+        sr.serve_app(model_path, replicas=1, stream_interval=0)
     with pytest.raises(slotinfer.ModelNotFoundError, match="no model at"):
         sr.serve_app(str(tmp_path / "absent"), replicas=1)
     with pytest.raises(slotinfer.InvalidRequestError, match="need 'model'"):
@@ -184,6 +188,9 @@ def test_bad_configuration_is_a_clear_error_at_start(model_path, tmp_path, capsy
     assert type(build({"model": model_path, "autoscale": [1, 2]})).__name__ == "Application"
     assert main(["serve", model_path, "--ray", "--ray-address", f"127.0.0.1:{_free_port()}"]) == 2
     assert "no Ray cluster answers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", model_path, "--ray", "--stream-interval", "0"])
+    assert e.value.code == 2 and "--stream-interval" in capsys.readouterr().err
 
 
 def test_several_models_under_their_names(model):
@@ -205,6 +212,130 @@ def test_several_models_under_their_names(model):
 
 def _replica_actors():
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if "slotinfer-qwen3" in a["name"]]
+
+
+def _replicas() -> dict:
+    """Each replica's :meth:`Replica.info`, by id, asked of that replica (a call pinned to it)."""
+    handle = serve.get_deployment_handle("slotinfer-qwen3", app_name="slotinfer")
+    ids = [a["name"].rsplit("#", 1)[-1] for a in _replica_actors()]
+    return {i: handle.info.remote(pin=i).result(timeout_s=60) for i in ids}
+
+
+def _settled(until, timeout: float = 30.0) -> dict:
+    """The replicas' infos once ``until(infos)`` holds (or, past ``timeout`` seconds, as they are)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = _replicas()
+        if until(infos) or time.monotonic() > deadline:
+            return infos
+        time.sleep(0.2)
+
+
+def _live(infos: dict) -> int:
+    return sum(i["stats"]["active_slots"] + i["stats"]["waiting"] for i in infos.values())
+
+
+def test_pinned_calls_reach_their_replica(fleet, model_path, model):
+    """Each router sends a call pinned to a replica there, among unpinned calls routed at the same time:
+    the prefix router here, and Serve's own power of two choices (whose waiting requests are served in
+    order, any replica found going to the first) in an application of its own, whose replicas send
+    tokens two a message (``stream_interval=2``)."""
+    infos = _replicas()
+    assert len(infos) == 2 and all(i["replica"] == rid for rid, i in infos.items())
+    serve.run(sr.serve_app(model_path, replicas=2, routing="pow2", num_cpus=0.25, ingress_cpus=0.25, stream_interval=2,
+                           **ENGINE),
+              name="pow2", route_prefix="/pow2")
+    try:
+        handle = serve.get_deployment_handle("slotinfer-qwen3", app_name="pow2")
+        ids = {handle.info.remote().result(timeout_s=60)["replica"] for _ in range(20)}
+        assert len(ids) == 2, ids  # the unpinned calls went to both
+        rows = [(model.encode_prompt(_system(i, 6)), {"max_tokens": 8, "ignore_eos": True}) for i in range(8)]
+
+        async def burst():  # rounds of 4 calls at once (the handle queues 4 at most)
+            got = []
+            for k in range(0, len(rows), 2):
+                unpinned = [handle.options(stream=True).generate.remote([row]) for row in rows[k:k + 2]]
+                pinned = [(i, handle.info.remote(pin=i)) for i in sorted(ids)]
+                got += [(i, (await r)["replica"]) for i, r in pinned]
+                for gen in unpinned:
+                    items = [item async for item in gen]  # read to the end: the rows finish
+                    assert items[0] == ("accepted", items[-1][-1][1]) and items[-1][-1][0] == "stats"
+                    tokens = [ev.token for batch in items[1:] for kind, _, ev in batch if kind == "event"]
+                    [done] = [c for batch in items[1:] for kind, _, c in batch if kind == "done"]
+                    assert tokens == done.tokens and len(tokens) == 8
+                    # stream_interval=2: after the first token, two a message (fewer if a step is slow)
+                    assert len(items) - 1 < len(tokens), items
+            return got
+
+        got = asyncio.run(burst())
+        assert all(want == there for want, there in got), got
+    finally:
+        serve.delete("pow2")
+
+
+def test_a_client_that_leaves_frees_its_rows_on_the_replica(fleet, client):
+    """A streamed request of two rows whose client disconnects: its rows stop on the replica (not only at
+    the ingress) while a request beside it runs to its end."""
+    before = _settled(lambda infos: _live(infos) == 0)
+    assert _live(before) == 0, before
+    other = {}
+    beside = threading.Thread(target=lambda: other.update(r=client.completions.create(
+        model=NAME, prompt=_system(3, 10), max_tokens=MAX_LEN // 2, temperature=0, extra_body={"ignore_eos": True})))
+    beside.start()
+    body = {"model": NAME, "prompt": _system(4, 10), "n": 2, "max_tokens": MAX_LEN - 32, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", fleet + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert sum(line.startswith("data: {") for line, _ in zip(lines, range(4))) >= 2
+    # the client left after a few tokens of each of its rows, long before their end
+    cancelled = sum(i["rows_cancelled"] for i in before.values()) + 2
+    after = _settled(lambda infos: sum(i["rows_cancelled"] for i in infos.values()) >= cancelled
+                     and all(i["calls"] == 0 for i in infos.values()) or not beside.is_alive() and _live(infos) == 0)
+    beside.join(120)
+    assert sum(i["rows_cancelled"] for i in after.values()) == cancelled, after
+    assert other["r"].usage.completion_tokens == MAX_LEN // 2 and other["r"].choices[0].finish_reason == "length"
+    assert _live(_settled(lambda infos: _live(infos) == 0)) == 0
+
+
+def test_one_cancelled_row_stops_on_its_replica(fleet, model):
+    """Of a call's two rows, one is cancelled at the ingress: a call pinned to the replica stops it there,
+    at the engine's next step, and the other row runs on to its end."""
+    prompt = model.encode_prompt(_system(5, 10))
+    params = {"max_tokens": MAX_LEN - 32, "ignore_eos": True, "temperature": 0}
+
+    async def run():
+        handle = serve.get_deployment_handle("slotinfer-qwen3", app_name="slotinfer")
+        backend = RemoteBackend(handle, await handle.info.remote())
+        first, second = await backend.submit([(prompt, params), (prompt, params)])
+        replica = first.call.replica
+        began = (await handle.info.remote(pin=replica))["rows_cancelled"]
+        await anext(aiter(first))
+        assert first.cancel() and first.done() and first.result().finish_reason == "cancelled"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            info = await handle.info.remote(pin=replica)
+            if info["rows_cancelled"] > began:
+                break
+            await asyncio.sleep(0.1)
+        tokens = [ev.token async for ev in second]
+        # both rows of a call cancelled at once: the call itself ends, and its rows on the replica
+        rows = await backend.submit([(prompt, params), (prompt, params)])
+        replica, began_both = rows[0].call.replica, (await handle.info.remote(pin=rows[0].call.replica))
+        await anext(aiter(rows[1]))
+        for r in rows:
+            r.cancel()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            both = await handle.info.remote(pin=replica)
+            if both["calls"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        return info, began, second.result(), tokens, both["rows_cancelled"] - began_both["rows_cancelled"]
+
+    info, began, done, tokens, stopped = asyncio.run(run())
+    assert info["rows_cancelled"] == began + 1 and info["calls"] == 1, info  # stopped there; the other ran on
+    assert done.finish_reason == "length" and len(done.tokens) == MAX_LEN - 32 and tokens == done.tokens
+    assert stopped == 2
 
 
 def test_a_dying_replica_loses_no_unstarted_request(client):
