@@ -8,8 +8,9 @@ block layout; the scale is float16 because a float32 one, 36 bytes a block, woul
 addressed and written like a float pool's rows (uint8 pools hold q8_0 and nothing else).
 
 Quantizing is row-local: each block of 32 values is scaled by its own largest magnitude
-(``d = max|x| / 127`` rounded to float16, ``q = round(x / d)``), so a token's bytes depend on its
-own K/V alone, whatever else is written in the same step.  Reading dequantizes a block at a time:
+(``d = max|x| / 127`` rounded to float16, up where nearest would fall below it, ``q = round(x / d)``),
+so a token's bytes depend on its own K/V alone, whatever else is written in the same step, and each
+value reads back within half a step of ``d`` (magnitudes past float16's 65504 * 127 saturate).  Reading dequantizes a block at a time:
 the CPU's native attention (decode and prefill, ``slotinfer/cpu/qkernel``) inside its loops,
 elsewhere MLX's ops over the blocks a step reads (:func:`dequantize`, the same values bit for bit:
 ``float32(d) * float32(q)`` is one rounding either way).
@@ -51,6 +52,10 @@ def quantize(x):
     g = x.astype(mx.float32).reshape(*lead, D // BLOCK, BLOCK)
     amax = mx.max(mx.abs(g), axis=-1, keepdims=True)
     d = mx.minimum(amax * (1.0 / 127.0), _F16_MAX).astype(mx.float16)
+    # a scale rounded below max|x| / 127 (or to 0, below float16's range) goes up to the next float16,
+    # so the largest value still fits in 127 steps and every value reads back within half a step
+    low = (d.astype(mx.float32) * 127.0 < amax) & (d < _F16_MAX)
+    d = mx.where(low, mx.view(mx.view(d, mx.uint16) + mx.array(1, mx.uint16), mx.float16), d)
     df = d.astype(mx.float32)
     q = mx.where(df > 0, mx.round(g / mx.where(df > 0, df, 1.0)), 0.0)
     q = mx.clip(q, -127.0, 127.0).astype(mx.int8)

@@ -117,3 +117,28 @@ def test_float16_kv_halves_the_table_and_keeps_batch_independence(models):
 def test_a_bad_kv_dtype_is_refused(models):
     with pytest.raises(slotinfer.InvalidRequestError, match="kv_dtype must be one of"):
         slotinfer.Inferencer(models["llama"], slots=1, max_len=64, kv_dtype="int8", start=False)
+
+
+def test_q8_kv_keeps_a_row_alone_equal_to_batched_through_chunks_the_prefix_cache_and_preemption(models):
+    """K/V in q8_0 blocks (0.27x float32's bytes): a request's greedy tokens are the same alone as
+    beside others, with its prompt cut into prefill chunks across blocks, again from the prefix cache's
+    blocks, and when a pool too small for all of them preempts some and they resume."""
+    m = models["qwen3"]  # head_dim 32
+    prompts = [[3 + (7 * i + 11 * j) % 400 for j in range(n)] for i, n in enumerate([5, 40, 130, 17, 70])]
+
+    def run(ps, slots, **kw):
+        eng = Engine(m, slots=slots, max_len=256, kv_dtype="q8_0", block_size=16, prefill_tokens=32, **kw)
+        items = [eng.make_item(p, max_tokens=20, ignore_eos=True) for p in ps]
+        for it in items:
+            eng.add(it)
+        eng.run_until_done()
+        return eng, [it.handle.result(0).tokens for it in items]
+
+    alone = [run([p], 1, prefix_cache_bytes=0)[1][0] for p in prompts]
+    eng, together = run(prompts, 4, prefix_cache_bytes=0)
+    assert together == alone and eng.table.keys[0].dtype == mx.uint8
+    assert eng.table.block_nbytes * 128 == Engine(m, slots=1, max_len=64, block_size=16).table.block_nbytes * 34
+    eng, twice = run(prompts + prompts, 4, prefix_cache_bytes=1 << 22)
+    assert twice == alone + alone and eng.table.cache_stats()["hit_tokens"] > 0
+    eng, tight = run(prompts, 4, prefix_cache_bytes=0, kv_cache_bytes=eng.table.block_nbytes * 14)
+    assert tight == alone and eng.counters["preempted"] >= 1

@@ -119,45 +119,48 @@ QK_INLINE bool softmax_weights(float* s, int span) {
 }
 
 // The weighted sums of values of the rep heads h0 .. of row b, K/V head g, over q8_0 pools, from
-// their scores (rep rows of span in `scores`): each block's rows that some head weighs are
-// dequantized once for all the heads, and each head's sum runs over positions in order, as attend_heads' float loop does.
-QK_INLINE void attend_values_q8(const AttendJob& j, int b, int g, int h0, int rep, int D, const int32_t* table,
-                                float* scores) {
-  const int span = j.nblk * j.bs;
+// their weights (rep rows of span in `scores`, from softmax_weights; live: whether a head has any):
+// a block's rows that some head weighs are dequantized once for all the heads (into `rows`,
+// bs * D floats), and each head's sum runs over positions in order, as the float loop's does.
+template <int DC>
+QK_INLINE void attend_values_q8(const AttendJob& j, int b, int g, int h0, int rep, const int32_t* table,
+                                const float* scores, const uint8_t* live, float* rows, float* acc, float* sums) {
+  const int span = j.nblk * j.bs, D = DC ? DC : j.D;
   const size_t rb = q8_row_bytes(D);
-  thread_local std::vector<float> vals, acc, sums;
-  thread_local std::vector<uint8_t> live;
-  vals.resize((size_t)j.bs * D);
-  acc.assign((size_t)rep * D, 0.0f);
-  sums.assign(rep, 0.0f);
-  live.resize(rep);
-  for (int r = 0; r < rep; ++r) live[r] = softmax_weights(scores + (size_t)r * span, span);
+  for (int r = 0; r < rep; ++r) {
+    sums[r] = 0.0f;
+    for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = 0.0f;
+  }
   for (int t = 0; t < j.nblk; ++t) {
     const uint8_t* vb = j.values8 + (((size_t)table[t] * j.kvh + g) * j.bs) * rb;
     for (int p = 0; p < j.bs; ++p) {
       bool used = false;
       for (int r = 0; r < rep; ++r) used |= live[r] && scores[(size_t)r * span + t * j.bs + p] != 0.0f;
-      if (used) dequant_q8_row(vb + (size_t)p * rb, D, vals.data() + (size_t)p * D);
+      if (used) dequant_q8_row(vb + (size_t)p * rb, D, rows + (size_t)p * D);
     }
     for (int r = 0; r < rep; ++r) {
       if (!live[r]) continue;
       const float* s = scores + (size_t)r * span + t * j.bs;
-      float* a = acc.data() + (size_t)r * D;
+      float reg[DC ? DC : 1];
+      float* a = DC ? reg : acc + (size_t)r * D;
+      if (DC)
+        for (int d = 0; d < D; ++d) a[d] = acc[(size_t)r * D + d];
       float sum = sums[r];
       for (int p = 0; p < j.bs; ++p) {
         const float e = s[p];
         if (e == 0.0f) continue;
         sum += e;
-        const float* v = vals.data() + (size_t)p * D;
+        const float* v = rows + (size_t)p * D;
         for (int d = 0; d < D; ++d) a[d] += e * v[d];
       }
       sums[r] = sum;
+      if (DC)
+        for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = a[d];
     }
   }
   for (int r = 0; r < rep; ++r) {
     float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
-    const float* a = acc.data() + (size_t)r * D;
-    for (int d = 0; d < D; ++d) o[d] = live[r] ? a[d] / sums[r] : 0.0f;
+    for (int d = 0; d < D; ++d) o[d] = live[r] ? acc[(size_t)r * D + d] / sums[r] : 0.0f;
   }
 }
 
@@ -172,10 +175,11 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
   const int span = j.nblk * j.bs, rep = r1 - r0, D = DC ? DC : j.D;
   const bool q8 = j.keys8 != nullptr;
   const size_t rb = q8 ? q8_row_bytes(D) : 0;
-  buf.resize((size_t)rep * (span + D) + 2 * D);
+  // q8_0: then a block's rows dequantized [bs, D], the heads' sums [rep, D] and totals [rep], live [rep]
+  buf.resize((size_t)rep * (span + D) + D + (q8 ? (size_t)j.bs * D + (size_t)rep * (D + 2) : 0));
   float* q = buf.data() + (size_t)rep * span;  // [rep, D]: the heads' scaled queries
   float* acc = q + (size_t)rep * D;             // [D]: a head's weighted sum of values (DC = 0)
-  float* row = acc + D;                         // [D]: a q8_0 row, dequantized
+  float* rows = acc + D;
   const bool* m = j.mask ? j.mask + (j.mask_per_row ? (size_t)b * span : 0) : nullptr;
   const int32_t* table = j.tables + (size_t)b * j.nblk;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -186,29 +190,29 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
   }
   for (int t = 0; t < j.nblk; ++t) {
     const size_t first = ((size_t)table[t] * j.kvh + g) * j.bs;  // the block's first row
+    const float* kb = q8 ? rows : j.keys + first * D;
+    if (q8)  // the block's keys that some position shows, dequantized
+      for (int p = 0; p < j.bs; ++p)
+        if (!m || m[t * j.bs + p]) dequant_q8_row(j.keys8 + (first + p) * rb, D, rows + (size_t)p * D);
     for (int p = 0; p < j.bs; ++p) {
       const int at = t * j.bs + p;
       const bool on = !m || m[at];
-      const float* k = nullptr;
-      if (on) {
-        if (q8) {
-          dequant_q8_row(j.keys8 + (first + p) * rb, D, row);
-          k = row;
-        } else {
-          k = j.keys + (first + p) * D;
-        }
-      }
       for (int r = 0; r < rep; ++r) {
         float v = ninf;
         if (on) {
-          v = dot(q + r * D, k, D);
+          v = dot(q + r * D, kb + (size_t)p * D, D);
           if (j.softcap != 0.0f) v = std::tanh(v / j.softcap) * j.softcap;
         }
         buf[(size_t)r * span + at] = v;
       }
     }
   }
-  if (q8) return attend_values_q8(j, b, g, h0, rep, D, table, buf.data());
+  if (q8) {
+    float* sums = rows + (size_t)j.bs * D + (size_t)rep * D;
+    uint8_t* live = reinterpret_cast<uint8_t*>(sums + rep);  // rep bytes in the last rep floats
+    for (int r = 0; r < rep; ++r) live[r] = softmax_weights(buf.data() + (size_t)r * span, span);
+    return attend_values_q8<DC>(j, b, g, h0, rep, table, buf.data(), live, rows, rows + (size_t)j.bs * D, sums);
+  }
   for (int r = 0; r < rep; ++r) {
     float* s = buf.data() + (size_t)r * span;
     float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
