@@ -176,13 +176,18 @@ class PagedDecodeView:
         self._blocks = None  # block_index of the tables, made once for every layer
 
     def update(self, layer, k, v):
-        if is_q8(self.keys[layer]):  # q8_0 pools: each token's head vectors quantized as written
+        if is_q8(self.keys[layer]) and not is_q8(k):  # q8_0 pools: each token's head vectors quantized as written
             k, v = quantize(k), quantize(v)
         self.keys[layer] = scatter(self.keys[layer], self.index, k)
         self.values[layer] = scatter(self.values[layer], self.index, v)
         if self._blocks is None:
             self._blocks = block_index(self.tables, k.shape[1])
         return PagedKV(self.keys[layer], self.values[layer], self.tables, self._blocks), None
+
+    def quantizer(self, layer):
+        """What turns K/V into this layer's stored form before :meth:`update` (q8_0 pools:
+        :func:`~slotinfer.kv.quant.quantize`, which ``update`` then skips), or None: as they are."""
+        return quantize if is_q8(self.keys[layer]) else None
 
     def fused_rope_tables(self, layer):
         """The step's rope tables, where a block may run as native nodes (:mod:`slotinfer.cpu.fused`:
