@@ -46,7 +46,8 @@ def token_bytes(model, dtype) -> int:
 
 def agreement(model, dtype) -> list[list[int]]:
     chat = lambda p: model.apply_chat_template([{"role": "user", "content": p}])  # noqa: E731
-    prompts = [(p, 32) for p in CONFORMANCE] + [(chat(p), 32) for p in CONFORMANCE_CHATS] + [(chat(p), 64) for p in CHATS]
+    prompts = ([(p, 32) for p in CONFORMANCE] + [(chat(p), 32) for p in CONFORMANCE_CHATS]
+               + [(chat(p), 64) for p in CHATS])
     with slotinfer.Inferencer(model, slots=16, max_len=512, kv_dtype=dtype, prefix_cache_bytes=0) as inf:
         hs = [inf.submit(p, max_tokens=n, ignore_eos=True) for p, n in prompts]
         return [h.result().tokens for h in hs]
