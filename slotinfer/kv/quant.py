@@ -11,9 +11,11 @@ Quantizing is row-local: each block of 32 values is scaled by its own largest ma
 (``d = max|x| / 127`` rounded to float16, up where nearest would fall below it, ``q = round(x / d)``),
 so a token's bytes depend on its own K/V alone, whatever else is written in the same step, and each
 value reads back within half a step of ``d`` (magnitudes past float16's 65504 * 127 saturate).
-Reading dequantizes a block at a time: the CPU's native attention (decode and prefill, ``slotinfer/cpu/qkernel``) inside its loops,
-elsewhere MLX's ops over the blocks a step reads (:func:`dequantize`, the same values bit for bit:
-``float32(d) * float32(q)`` is one rounding either way).
+Reading dequantizes a block at a time: the CPU's native attention (decode and prefill,
+``slotinfer/cpu/qkernel``) inside its loops, elsewhere MLX's ops over the blocks a step reads
+(:func:`dequantize`, the same values bit for bit: ``float32(d) * float32(q)`` is one rounding
+either way).  The float16 scale costs nothing in accuracy that the int8 steps do not already: a
+value is quantized against the rounded scale itself.
 """
 
 from __future__ import annotations
