@@ -76,7 +76,7 @@ def main():
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--long-rows", type=int, default=4)
     ap.add_argument("--long-tokens", type=int, default=2048, help="0: skip the long contexts")
-    ap.add_argument("--long-new", type=int, default=64)
+    ap.add_argument("--long-new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-agreement", action="store_true")
     args = ap.parse_args()
