@@ -188,11 +188,21 @@ def cpu_block_kernels(device=None) -> bool:
     return qkernel.load() is not None
 
 
-def kv_dtype(compute_dtype, override=None) -> mx.Dtype:
+def kv_dtype(compute_dtype, override=None):
     """The dtype K/V are kept in: the model's compute dtype unless ``override`` ("float16",
-    "bfloat16", "float32" or an mx.Dtype) says otherwise.  float16 halves K/V memory; on CPU the
-    model still computes in float32 and reads K/V back in it."""
-    return compute_dtype if override is None else _dtype(override, "kv_dtype")
+    "bfloat16", "float32", an mx.Dtype, or "q8_0") says otherwise.  float16 halves K/V memory; on
+    CPU the model still computes in float32 and reads K/V back in it.  "q8_0" (returned as that
+    string) keeps them in blocks of 32 int8 values and a float16 scale, 0.27x float32's bytes
+    (:mod:`slotinfer.kv.quant`)."""
+    if override is None:
+        return compute_dtype
+    if isinstance(override, str) and override.lower() == "q8_0":
+        return "q8_0"
+    try:
+        return _dtype(override, "kv_dtype")
+    except InvalidRequestError:
+        raise InvalidRequestError(f"kv_dtype must be one of {', '.join(_DTYPES)}, q8_0 (a name, or an mx dtype), "
+                                  f"got {override!r}") from None
 
 
 def kv_memory(device=None) -> int:

@@ -61,8 +61,9 @@ class Inferencer:
     instead of computing them again; it bounds those no request holds (they are evicted first
     when the pool needs blocks) (None: the device's default,
     :func:`slotinfer.device.prefix_cache_bytes`; 0: off).
-    ``kv_dtype`` ("float16", "bfloat16", "float32"; None: the model's compute dtype) is the dtype
-    K/V are kept in: "float16" halves their memory (docs/kv-cache.md measures its cost).
+    ``kv_dtype`` ("float16", "bfloat16", "float32", "q8_0"; None: the model's compute dtype) is the
+    dtype K/V are kept in: "float16" halves their memory, "q8_0" (blocks of 32 int8 values and a
+    float16 scale) takes 0.27x float32's (docs/kv-cache.md measures their cost and agreement).
     ``kv_cache_bytes`` sizes the pool of K/V blocks every slot draws on (None: ``slots x max_len``
     tokens, at most a quarter of the machine's memory): a request is admitted when the free blocks
     hold its prompt, and waits otherwise; it takes a block more as its output crosses each block

@@ -46,8 +46,13 @@ def block(module, blk, x, ctx):
     qkv = module.qkv_rope(x, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.fmt, cos, sin, H, kvh,
                           qkv_bias=attn.qkv_proj.bias if "bias" in attn.qkv_proj else None,
                           qk_norm=attn.qk_norm.weight if attn.qk_norm is not None else None)
-    k = qkv[:, :, H * D:(H + kvh) * D].reshape(B, kvh, 1, D)  # a slice and a reshape: no squeeze node
-    v = qkv[:, :, (H + kvh) * D:].reshape(B, kvh, 1, D)
+    quantize = getattr(ctx, "quantizer", lambda layer: None)(attn.layer)
+    if quantize is not None:  # q8_0 pools: K and V quantized together, half the nodes of one each
+        kv = quantize(qkv[:, :, H * D:].reshape(B, 2 * kvh, 1, D))
+        k, v = kv[:, :kvh], kv[:, kvh:]
+    else:
+        k = qkv[:, :, H * D:(H + kvh) * D].reshape(B, kvh, 1, D)  # a slice and a reshape: no squeeze node
+        v = qkv[:, :, (H + kvh) * D:].reshape(B, kvh, 1, D)
     paged, _ = ctx.update(attn.layer, k, v)  # the K/V writes: MLX scatters, in place
     mask = ctx.mask(attn.layer, 1, attn.window)
     h = module.attend_out(qkv, paged.keys, paged.values, paged.tables.astype(mx.int32), mask, attn.o_proj.weight,

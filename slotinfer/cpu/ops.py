@@ -132,9 +132,10 @@ def cpu_ops(attention_streams: int = 1, native: bool = True) -> Ops:
 def _prefill_attention(module, q, k, v, scale, mask, softcap):
     """A prefill's attention by the extension's primitive (one node, K/V read a block at a time
     for a tile of queries: qkernel/prefill_attention.h), or None where it does not apply: other
-    dtypes than float32, masks of other shapes than ``attend``'s."""
+    dtypes than float32 (or K/V in q8_0 blocks, uint8: dequantized a block of keys at a time inside the
+    loops), masks of other shapes than ``attend``'s."""
     B, L, S = q.shape[0], q.shape[2], k.shape[2]
-    if q.dtype != mx.float32 or k.dtype != mx.float32 or v.dtype != mx.float32:
+    if q.dtype != mx.float32 or k.dtype != v.dtype or k.dtype not in (mx.float32, mx.uint8):
         return None
     causal = isinstance(mask, str)
     if causal:

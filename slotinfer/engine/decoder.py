@@ -129,7 +129,7 @@ class Decoder:
     def _make(self, n, prefix, nblk, greedy, use_sort, use_penalty, use_adjust, masked, top_n, waited):
         net, table = self.net, self.table
         slots = table.slots
-        geometry = dict(kv_heads=table.kv_heads, block_size=table.block_size, head_dim=table.head_dim,
+        geometry = dict(kv_heads=table.kv_heads, block_size=table.block_size, head_dim=table.row,
                         num_blocks=table.num_blocks)
 
         def step(tokens, picked, keys, values, positions, is_live, blocks, offsets, tables, temperature, top_k, top_p,

@@ -129,7 +129,7 @@ class Verifier:
 
     def _make(self, n, nblk, greedy, use_sort, use_penalty, use_adjust, masked, top_n):
         net, table = self.net, self.table
-        geometry = dict(kv_heads=table.kv_heads, block_size=table.block_size, head_dim=table.head_dim,
+        geometry = dict(kv_heads=table.kv_heads, block_size=table.block_size, head_dim=table.row,
                         num_blocks=table.num_blocks)
 
         def step(tokens, row_slot, draft_in, is_first, keys, values, positions, blocks, offsets, tables, upto,

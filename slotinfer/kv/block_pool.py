@@ -44,6 +44,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..errors import InvalidRequestError, OutOfMemoryError
+from .quant import Q8, row_bytes
 
 ZERO, TRASH = 0, 1  # reserved ids: the table padding (never written) and the sink of padding writes
 RESERVED = 2
@@ -60,9 +61,15 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...], salt: str | None) ->
     return hash((parent, tokens, salt))
 
 
+def token_bytes(head_dim: int, dtype) -> int:
+    """Bytes of one token's head vector of K (or V) kept in ``dtype`` (an mx dtype, or "q8_0")."""
+    return row_bytes(head_dim) if isinstance(dtype, str) and dtype == Q8 else head_dim * dtype.size
+
+
 def block_bytes(*, num_layers: int, kv_heads: int, head_dim: int, dtype, block_size: int) -> int:
-    """Bytes one block holds: K and V of ``block_size`` tokens in every layer."""
-    return 2 * num_layers * kv_heads * block_size * head_dim * dtype.size
+    """Bytes one block holds: K and V of ``block_size`` tokens in every layer (``dtype``: an mx
+    dtype, or "q8_0")."""
+    return 2 * num_layers * kv_heads * block_size * token_bytes(head_dim, dtype)
 
 
 def blocks_for_budget(kv_cache_bytes: int, *, num_layers: int, kv_heads: int, head_dim: int, dtype,

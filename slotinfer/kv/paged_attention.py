@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .quant import dequantize, is_q8, quantize
 from .views import SequenceCache, scatter, window_mask
 from ..cpu.ops import MLX_OPS, Ops
 from ..errors import InvalidRequestError
@@ -102,15 +103,19 @@ def paged_attend(q, pool_keys, pool_values, tables, scale: float, mask, softcap:
 def _attend(q, pool_keys, pool_values, tables, scale, mask, softcap, ops, index=None):
     B, H, L, D = q.shape
     _, kvh, bs, _ = pool_keys.shape
-    rep, nblk = H // kvh, tables.shape[1]
+    rep, nblk = H // kvh, tables.shape[1]  # (q8_0 pools: their rows are bytes, D is q's)
     out_dtype = q.dtype
     if q.dtype != mx.float32 and mx.default_device() == mx.cpu:
         q = q.astype(mx.float32)  # MLX's CPU gather_mm takes float32 only: a half-precision model attends in it
+    q8 = is_q8(pool_keys)
+    if q8 and ops.paged_decode is not None and L == 1 and q.dtype == mx.float32:  # read as stored, natively
+        return ops.paged_decode(q, pool_keys, pool_values, tables, mask, scale, softcap).astype(out_dtype)
     if pool_keys.dtype != q.dtype:
-        # K/V stored in another dtype (float16 on CPU) are read in q's: the rows' blocks only, taken
-        # and converted (what the slot table's views convert too), never the whole pool
-        pool_keys = mx.take(pool_keys, tables.reshape(-1), axis=0).astype(q.dtype)
-        pool_values = mx.take(pool_values, tables.reshape(-1), axis=0).astype(q.dtype)
+        # K/V stored in another dtype (float16 on CPU, q8_0 blocks) are read in q's: the rows' blocks
+        # only, taken and converted (what the slot table's views convert too), never the whole pool
+        convert = (lambda a: dequantize(a, q.dtype)) if q8 else (lambda a: a.astype(q.dtype))
+        pool_keys = convert(mx.take(pool_keys, tables.reshape(-1), axis=0))
+        pool_values = convert(mx.take(pool_values, tables.reshape(-1), axis=0))
         tables = mx.arange(B * nblk, dtype=mx.uint32).reshape(B, nblk)
         index = None  # the rows' blocks, renumbered
     if ops.paged_decode is not None and L == 1 and q.dtype == pool_keys.dtype == mx.float32:
@@ -171,16 +176,23 @@ class PagedDecodeView:
         self._blocks = None  # block_index of the tables, made once for every layer
 
     def update(self, layer, k, v):
+        if is_q8(self.keys[layer]) and not is_q8(k):  # q8_0 pools: each token's head vectors quantized as written
+            k, v = quantize(k), quantize(v)
         self.keys[layer] = scatter(self.keys[layer], self.index, k)
         self.values[layer] = scatter(self.values[layer], self.index, v)
         if self._blocks is None:
             self._blocks = block_index(self.tables, k.shape[1])
         return PagedKV(self.keys[layer], self.values[layer], self.tables, self._blocks), None
 
+    def quantizer(self, layer):
+        """What turns K/V into this layer's stored form before :meth:`update` (q8_0 pools:
+        :func:`~slotinfer.kv.quant.quantize`, which ``update`` then skips), or None: as they are."""
+        return quantize if is_q8(self.keys[layer]) else None
+
     def fused_rope_tables(self, layer):
         """The step's rope tables, where a block may run as native nodes (:mod:`slotinfer.cpu.fused`:
-        one token a row, float32 pools); else None."""
-        return self.rope_tables if self.keys[layer].dtype == mx.float32 else None
+        one token a row, float32 or q8_0 pools); else None."""
+        return self.rope_tables if self.keys[layer].dtype in (mx.float32, mx.uint8) else None
 
     def mask(self, layer, L, window):
         if (L, window) not in self._masks:

@@ -32,6 +32,7 @@ from .views import scatter, window_mask
 from ..errors import OutOfMemoryError
 from .block_pool import KV_BLOCK_SIZE, RESERVED, BlockPool, block_bytes, blocks_for_budget
 from .paged_attention import write_index
+from .quant import Q8, QuantizedKV, check_head_dim, quantize, row_bytes
 
 __all__ = ["SlotTable", "PrefillView", "scatter", "default_kv_cache_bytes"]
 
@@ -53,7 +54,9 @@ class SlotTable:
 
     ``kv_cache_bytes`` sizes the pool (None: :func:`default_kv_cache_bytes` of ``slots x max_len``
     tokens); ``max_len`` caps one slot (its block table's width).  ``prefix_cache_bytes`` caps the
-    cached blocks no slot holds (None: no cap but the pool's; 0: no prefix cache).
+    cached blocks no slot holds (None: no cap but the pool's; 0: no prefix cache).  ``dtype``: an mx
+    dtype, or "q8_0" (uint8 pools of :mod:`slotinfer.kv.quant` blocks, each token's head vector a
+    row of ``row`` bytes).
     """
 
     def __init__(self, config, *, slots: int, max_len: int, dtype, kv_cache_bytes: int | None = None,
@@ -61,6 +64,12 @@ class SlotTable:
         self.slots, self.max_len, self.block_size = slots, max_len, block_size
         self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
         self.max_blocks = -(-max_len // block_size)
+        self.quantized = isinstance(dtype, str) and dtype == Q8
+        if self.quantized:
+            check_head_dim(self.head_dim)
+        # a pool row: one token's head vector, head_dim values (or its q8_0 bytes)
+        self.row = row_bytes(self.head_dim) if self.quantized else self.head_dim
+        array_dtype = mx.uint8 if self.quantized else dtype
         each = block_bytes(num_layers=config.num_layers, kv_heads=self.kv_heads, head_dim=self.head_dim,
                            dtype=dtype, block_size=block_size)
         self.block_nbytes = each
@@ -79,7 +88,7 @@ class SlotTable:
         # The device arrays hold the blocks in use (the pool hands out its lowest free ids first, so
         # those stay packed at the start), grown as they need more, up to the budget, and cut back to
         # ``idle_blocks`` when nothing is held: an idle engine holds the reserved blocks and 16 more.
-        self.keys = [mx.zeros((0, self.kv_heads, block_size, self.head_dim), dtype=dtype)
+        self.keys = [mx.zeros((0, self.kv_heads, block_size, self.row), dtype=array_dtype)
                      for _ in range(config.num_layers)]
         self.values = [mx.zeros_like(k) for k in self.keys]
         self.idle_blocks = min(num_blocks, RESERVED + min(self.max_blocks, _GROWTH))
@@ -161,7 +170,7 @@ class SlotTable:
         self.cover()
         bs = self.block_size
         index = write_index(mx.full((1, bs), dst, dtype=mx.int32), mx.arange(bs, dtype=mx.int32)[None],
-                            kv_heads=self.kv_heads, block_size=bs, head_dim=self.head_dim, num_blocks=self.num_blocks)
+                            kv_heads=self.kv_heads, block_size=bs, head_dim=self.row, num_blocks=self.num_blocks)
         source = mx.array([src], dtype=mx.int32)
         # read out first: a write whose value still reads the pool array cannot write it in place, and
         # would copy the whole array, every layer
@@ -224,7 +233,7 @@ class SlotTable:
         for kv in (self.keys, self.values):
             for layer, a in enumerate(kv):
                 if blocks > have:
-                    more = (blocks - have, self.kv_heads, self.block_size, self.head_dim)
+                    more = (blocks - have, self.kv_heads, self.block_size, self.row)
                     kv[layer] = mx.concatenate([a, mx.zeros(more, dtype=a.dtype)])
                 else:
                     kv[layer] = mx.zeros((blocks, *a.shape[1:]), dtype=a.dtype)  # nothing held: nothing to keep
@@ -279,16 +288,16 @@ class SlotTable:
         if blocks.ndim == 1:
             blocks, offsets = blocks[:, None], offsets[:, None]
         return write_index(mx.array(blocks), mx.array(offsets), kv_heads=self.kv_heads, block_size=self.block_size,
-                           head_dim=self.head_dim, num_blocks=self.num_blocks)
+                           head_dim=self.row, num_blocks=self.num_blocks)
 
     def gather(self, cache, slots, span: int):
         """``slots``' K/V of one layer's pool ``cache`` at positions ``0:span``, copied out
-        contiguously as ``[n, kv_heads, span, head_dim]``."""
+        contiguously as ``[n, kv_heads, span, row]`` (``row``: head_dim values, or their q8_0 bytes)."""
         nb = -(-span // self.block_size)
         tables = mx.array(self.pool.tables[np.asarray(slots), :nb])
         n, bs = tables.shape[0], self.block_size
-        got = mx.take(cache, tables.reshape(-1), axis=0).reshape(n, nb, self.kv_heads, bs, self.head_dim)
-        return got.transpose(0, 2, 1, 3, 4).reshape(n, self.kv_heads, nb * bs, self.head_dim)[:, :, :span]
+        got = mx.take(cache, tables.reshape(-1), axis=0).reshape(n, nb, self.kv_heads, bs, self.row)
+        return got.transpose(0, 2, 1, 3, 4).reshape(n, self.kv_heads, nb * bs, self.row)[:, :, :span]
 
     @property
     def allocated_bytes(self) -> int:
@@ -306,7 +315,8 @@ class SlotTable:
         p = self.pool
         return {"blocks": p.num_blocks - RESERVED, "blocks_used": p.num_used, "blocks_free": p.num_free,
                 "blocks_cached": len(p.cached), "blocks_allocated": self.keys[0].shape[0],
-                "block_tokens": self.block_size, "block_bytes": self.block_nbytes}
+                "block_tokens": self.block_size, "block_bytes": self.block_nbytes,
+                "token_bytes": self.block_nbytes // self.block_size}
 
     def cache_stats(self) -> dict:
         """The prefix cache's counters and size (its blocks nobody holds), or None when it is off."""
@@ -358,6 +368,13 @@ class PrefillView:
 
     def update(self, layer, k, v):
         t = self.table
+        if t.quantized:  # q8_0: the chunk attends over its K/V as stored, whether fresh or read back
+            k, v = quantize(k), quantize(v)
+            t.keys[layer] = scatter(t.keys[layer], self.index, k)
+            t.values[layer] = scatter(t.values[layer], self.index, v)
+            if not self.fresh:
+                k, v = t.gather(t.keys[layer], self.rows, self.span), t.gather(t.values[layer], self.rows, self.span)
+            return QuantizedKV(k, v), None
         t.keys[layer] = scatter(t.keys[layer], self.index, k)
         t.values[layer] = scatter(t.values[layer], self.index, v)
         if self.fresh:

@@ -117,3 +117,50 @@ def test_float16_kv_halves_the_table_and_keeps_batch_independence(models):
 def test_a_bad_kv_dtype_is_refused(models):
     with pytest.raises(slotinfer.InvalidRequestError, match="kv_dtype must be one of"):
         slotinfer.Inferencer(models["llama"], slots=1, max_len=64, kv_dtype="int8", start=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_q8_kv_keeps_a_row_alone_equal_to_batched_through_chunks_the_prefix_cache_and_preemption(models, family):
+    """K/V in q8_0 blocks (0.27x float32's bytes): a request's greedy tokens are the same alone as
+    beside others, with its prompt cut into prefill chunks across blocks, again from the prefix cache's
+    blocks, and when a pool too small for all of them preempts some and they resume."""
+    m = models[family]  # head_dim 32; Gemma 2: sliding windows and soft-capping too
+    prompts = [[3 + (7 * i + 11 * j) % 400 for j in range(n)] for i, n in enumerate([5, 40, 130, 17, 70])]
+
+    def run(ps, slots, **kw):
+        eng = Engine(m, slots=slots, max_len=256, kv_dtype="q8_0", block_size=16, prefill_tokens=32, **kw)
+        items = [eng.make_item(p, max_tokens=20, ignore_eos=True) for p in ps]
+        for it in items:
+            eng.add(it)
+        eng.run_until_done()
+        return eng, [it.handle.result(0).tokens for it in items]
+
+    alone = [run([p], 1, prefix_cache_bytes=0)[1][0] for p in prompts]
+    eng, together = run(prompts, 4, prefix_cache_bytes=0)
+    assert together == alone and eng.table.keys[0].dtype == mx.uint8
+    assert eng.table.block_nbytes * 128 == Engine(m, slots=1, max_len=64, block_size=16).table.block_nbytes * 34
+    eng, twice = run(prompts + prompts, 4, prefix_cache_bytes=1 << 22)
+    assert twice == alone + alone and eng.table.cache_stats()["hit_tokens"] > 0
+    eng, tight = run(prompts, 4, prefix_cache_bytes=0, kv_cache_bytes=eng.table.block_nbytes * 14)
+    assert tight == alone and eng.counters["preempted"] >= 1
+
+
+def test_q8_kv_runs_on_mlx_ops_where_the_native_ones_are_off(model_dir, monkeypatch):
+    """Without the native ops (SLOTINFER_NATIVE_OPS=0, as on a GPU) MLX's ops dequantize the blocks a
+    step reads: a row alone is still its batched self, and the bytes are q8_0's."""
+    monkeypatch.setenv("SLOTINFER_NATIVE_OPS", "0")
+    m = slotinfer.load(model_dir("qwen3"))
+    assert m.net.model.layers[0].self_attn.ops.paged_decode is None
+    prompts = [[5, 6, 7, 8, 9] * 30, [40, 41], [100, 7, 300]]
+
+    def run(ps, slots):
+        eng = Engine(m, slots=slots, max_len=256, kv_dtype="q8_0", block_size=16, prefill_tokens=64)
+        items = [eng.make_item(p, max_tokens=12, ignore_eos=True) for p in ps]
+        for it in items:
+            eng.add(it)
+        eng.run_until_done()
+        return eng, [it.handle.result(0).tokens for it in items]
+
+    eng, together = run(prompts, 3)
+    assert eng.table.keys[0].dtype == mx.uint8
+    assert together == [run([p], 1)[1][0] for p in prompts]

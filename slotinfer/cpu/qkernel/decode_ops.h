@@ -7,6 +7,11 @@
 // result for a row alone as in any batch.  The bodies are plain C++ written so the compiler
 // vectorizes them (lane arrays instead of reductions, no libm calls in the loops); kernels.h
 // compiles them once per instruction set, as it does the products, and runs the one qk::isa() names.
+//
+// K/V in q8_0 blocks (slotinfer/kv/quant.py: per 32 values of a token's head vector, a float16 scale
+// d and 32 int8 q, the value d * q) are read a row at a time: a key or value row is dequantized into
+// floats (d * q, one rounding) just before its dot product or weighted sum, which then run as over
+// float pools, so the result is bit for bit the float loops' over the dequantized pools.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +20,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "qkernels.h"
 
 namespace qk {
 
@@ -71,11 +78,26 @@ QK_INLINE float exp_horner(float x) {
   return (p * (r * r) + r + 1.0f) * two_k;
 }
 
+// A row of D values (D a multiple of 32) from its q8_0 blocks: d * q
+QK_INLINE void dequant_q8_row(const uint8_t* src, int D, float* dst) {
+  for (int c = 0; c < D / 32; ++c) {
+    const uint8_t* blk = src + (size_t)c * 34;
+    const float d = half_to_float(blk);
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int i = 0; i < 32; ++i) dst[c * 32 + i] = d * (float)q[i];
+  }
+}
+
+// Bytes of a row of D values in q8_0 blocks
+inline int q8_row_bytes(int D) { return D / 32 * 34; }
+
 struct AttendJob {
   const float* q;          // [B, H, D], rows q_stride floats apart
   int64_t q_stride;        // 0: H * D
   const float* keys;       // pool [num_blocks, kvh, bs, D]
   const float* values;
+  const uint8_t* keys8;    // or q8_0 pools [num_blocks, kvh, bs, D / 32 * 34] (then keys, values are null)
+  const uint8_t* values8;
   const int32_t* tables;   // [B, nblk]
   const bool* mask;        // [B or 1, span] (nullptr: every position)
   bool mask_per_row;
@@ -84,6 +106,63 @@ struct AttendJob {
   float scale;             // q's factor (applied first, rounded: (q * scale) . k)
   float softcap;           // 0: none
 };
+
+// A head's scores s (span of them) to e = exp(s - max) in place; false where every score is -inf
+QK_INLINE bool softmax_weights(float* s, int span) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float top = ninf;
+  for (int i = 0; i < span; ++i) top = std::max(top, s[i]);
+  if (top == ninf) return false;
+  for (int i = 0; i < span; ++i) s[i] -= top;
+  exp_inplace(s, span);
+  return true;
+}
+
+// The weighted sums of values of the rep heads h0 .. of row b, K/V head g, over q8_0 pools, from
+// their weights (rep rows of span in `scores`, from softmax_weights; live: whether a head has any):
+// a block's rows that some head weighs are dequantized once for all the heads (into `rows`,
+// bs * D floats), and each head's sum runs over positions in order, as the float loop's does.
+template <int DC>
+QK_INLINE void attend_values_q8(const AttendJob& j, int b, int g, int h0, int rep, const int32_t* table,
+                                const float* scores, const uint8_t* live, float* rows, float* acc, float* sums) {
+  const int span = j.nblk * j.bs, D = DC ? DC : j.D;
+  const size_t rb = q8_row_bytes(D);
+  for (int r = 0; r < rep; ++r) {
+    sums[r] = 0.0f;
+    for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = 0.0f;
+  }
+  for (int t = 0; t < j.nblk; ++t) {
+    const uint8_t* vb = j.values8 + (((size_t)table[t] * j.kvh + g) * j.bs) * rb;
+    for (int p = 0; p < j.bs; ++p) {
+      bool used = false;
+      for (int r = 0; r < rep; ++r) used |= live[r] && scores[(size_t)r * span + t * j.bs + p] != 0.0f;
+      if (used) dequant_q8_row(vb + (size_t)p * rb, D, rows + (size_t)p * D);
+    }
+    for (int r = 0; r < rep; ++r) {
+      if (!live[r]) continue;
+      const float* s = scores + (size_t)r * span + t * j.bs;
+      float reg[DC ? DC : 1];
+      float* a = DC ? reg : acc + (size_t)r * D;
+      if (DC)
+        for (int d = 0; d < D; ++d) a[d] = acc[(size_t)r * D + d];
+      float sum = sums[r];
+      for (int p = 0; p < j.bs; ++p) {
+        const float e = s[p];
+        if (e == 0.0f) continue;
+        sum += e;
+        const float* v = rows + (size_t)p * D;
+        for (int d = 0; d < D; ++d) a[d] += e * v[d];
+      }
+      sums[r] = sum;
+      if (DC)
+        for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = a[d];
+    }
+  }
+  for (int r = 0; r < rep; ++r) {
+    float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
+    for (int d = 0; d < D; ++d) o[d] = live[r] ? acc[(size_t)r * D + d] / sums[r] : 0.0f;
+  }
+}
 
 // Attention of row b's query heads r0 .. r1 - 1 of K/V head g (times scale) over its blocks, those
 // heads together (each key read once for all of them): scores in position order, masked to -inf,
@@ -94,9 +173,13 @@ struct AttendJob {
 template <int DC>
 QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, std::vector<float>& buf) {
   const int span = j.nblk * j.bs, rep = r1 - r0, D = DC ? DC : j.D;
-  buf.resize((size_t)rep * (span + D) + D);
+  const bool q8 = j.keys8 != nullptr;
+  const size_t rb = q8 ? q8_row_bytes(D) : 0;
+  // q8_0: then a block's rows dequantized [bs, D], the heads' sums [rep, D] and totals [rep], live [rep]
+  buf.resize((size_t)rep * (span + D) + D + (q8 ? (size_t)j.bs * D + (size_t)rep * (D + 2) : 0));
   float* q = buf.data() + (size_t)rep * span;  // [rep, D]: the heads' scaled queries
   float* acc = q + (size_t)rep * D;             // [D]: a head's weighted sum of values (DC = 0)
+  float* rows = acc + D;
   const bool* m = j.mask ? j.mask + (j.mask_per_row ? (size_t)b * span : 0) : nullptr;
   const int32_t* table = j.tables + (size_t)b * j.nblk;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -106,7 +189,11 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
     for (int d = 0; d < D; ++d) q[r * D + d] = qh[d] * j.scale;
   }
   for (int t = 0; t < j.nblk; ++t) {
-    const float* kb = j.keys + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
+    const size_t first = ((size_t)table[t] * j.kvh + g) * j.bs;  // the block's first row
+    const float* kb = q8 ? rows : j.keys + first * D;
+    if (q8)  // the block's keys that some position shows, dequantized
+      for (int p = 0; p < j.bs; ++p)
+        if (!m || m[t * j.bs + p]) dequant_q8_row(j.keys8 + (first + p) * rb, D, rows + (size_t)p * D);
     for (int p = 0; p < j.bs; ++p) {
       const int at = t * j.bs + p;
       const bool on = !m || m[at];
@@ -120,17 +207,19 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
       }
     }
   }
+  if (q8) {
+    float* sums = rows + (size_t)j.bs * D + (size_t)rep * D;
+    uint8_t* live = reinterpret_cast<uint8_t*>(sums + rep);  // rep bytes in the last rep floats
+    for (int r = 0; r < rep; ++r) live[r] = softmax_weights(buf.data() + (size_t)r * span, span);
+    return attend_values_q8<DC>(j, b, g, h0, rep, table, buf.data(), live, rows, rows + (size_t)j.bs * D, sums);
+  }
   for (int r = 0; r < rep; ++r) {
     float* s = buf.data() + (size_t)r * span;
     float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
-    float top = ninf;
-    for (int i = 0; i < span; ++i) top = std::max(top, s[i]);
-    if (top == ninf) {  // nothing to attend: zeros
+    if (!softmax_weights(s, span)) {  // nothing to attend: zeros
       for (int d = 0; d < D; ++d) o[d] = 0.0f;
       continue;
     }
-    for (int i = 0; i < span; ++i) s[i] -= top;
-    exp_inplace(s, span);
     float sum = 0.0f;
     float reg[DC ? DC : 1];
     float* a = DC ? reg : acc;

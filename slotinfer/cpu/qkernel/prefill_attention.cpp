@@ -24,6 +24,8 @@ struct PrefillJob {
   const float* q;       // [B, H, L, D]
   const float* keys;    // [B, kvh, S, D]
   const float* values;
+  const uint8_t* keys8;  // or [B, kvh, S, D / 32 * 34] in q8_0 blocks (then keys, values are null)
+  const uint8_t* values8;
   const bool* mask;     // [Bm, L, S] or nullptr
   const int* first;     // [Bm, L]: each query's first visible key
   const int* last;      // [Bm, L]: one past its last visible key
@@ -35,7 +37,7 @@ struct PrefillJob {
 };
 
 struct PrefillScratch {
-  std::vector<float> qs, o, m, l, a, kt, s;
+  std::vector<float> qs, o, m, l, a, kt, s, row, vd;
 };
 
 QK_INL Portable::V splat(Portable, float x) {
@@ -146,7 +148,8 @@ class PrefillAttention : public Rowwise {
   }
 
  protected:
-  // inputs: q [B, H, L, D], keys, values [B, kvh, S, D], optionally mask bool [B or 1, L, S]
+  // inputs: q [B, H, L, D], keys, values [B, kvh, S, D] (float32, or q8_0 rows: uint8), optionally
+  // mask bool [B or 1, L, S]
   mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[0].shape(); }
   Fn body(const std::vector<mx::array>& in) const override {
     PrefillJob j{};
@@ -159,12 +162,15 @@ class PrefillAttention : public Rowwise {
     j.Bm = in.size() > 3 ? in[3].shape(0) : 1;
     j.scale = scale_;
     j.softcap = softcap_;
-    const bool masked = in.size() > 3, causal = causal_;
+    const bool masked = in.size() > 3, causal = causal_, q8 = in[1].dtype() == mx::uint8;
     return [=](const std::vector<const float*>& f, const std::vector<const void*>& o, float* out) mutable {
+      // floats: q, [keys, values]; others: [keys, values], mask
       j.q = f[0];
-      j.keys = f[1];
-      j.values = f[2];
-      j.mask = masked ? static_cast<const bool*>(o[0]) : nullptr;
+      j.keys = q8 ? nullptr : f[1];
+      j.values = q8 ? nullptr : f[2];
+      j.keys8 = q8 ? static_cast<const uint8_t*>(o[0]) : nullptr;
+      j.values8 = q8 ? static_cast<const uint8_t*>(o[1]) : nullptr;
+      j.mask = masked ? static_cast<const bool*>(o[q8 ? 2 : 0]) : nullptr;
       j.out = out;
       run_prefill(j, causal);
     };
@@ -180,13 +186,16 @@ class PrefillAttention : public Rowwise {
 mx::array prefill_attention(const mx::array& q, const mx::array& keys, const mx::array& values,
                             const std::optional<mx::array>& mask, float scale, float softcap, bool causal,
                             mx::StreamOrDevice s) {
-  for (auto* a : {&q, &keys, &values})
-    if (a->dtype() != mx::float32) throw std::invalid_argument("q, keys and values must be float32");
+  const bool q8 = keys.dtype() == mx::uint8;
+  if (q.dtype() != mx::float32 || keys.dtype() != values.dtype() || (!q8 && keys.dtype() != mx::float32))
+    throw std::invalid_argument("q must be float32, keys and values both float32 or both q8_0 (uint8)");
   if (q.ndim() != 4 || keys.ndim() != 4 || keys.shape() != values.shape())
     throw std::invalid_argument("q must be [B, heads, L, D], keys and values [B, kv_heads, S, D]");
   const int B = q.shape(0), H = q.shape(1), L = q.shape(2), D = q.shape(3), S = keys.shape(2);
-  if (keys.shape(0) != B || keys.shape(3) != D || keys.shape(1) < 1 || H % keys.shape(1) != 0)
-    throw std::invalid_argument("keys must be [B, kv_heads, S, D] with kv_heads dividing q's heads");
+  if (q8 && D % 32 != 0) throw std::invalid_argument("q8_0 keys and values need a head size that 32 divides");
+  if (keys.shape(0) != B || keys.shape(3) != (q8 ? q8_row_bytes(D) : D) || keys.shape(1) < 1 || H % keys.shape(1) != 0)
+    throw std::invalid_argument("keys must be [B, kv_heads, S, D] (q8_0: D / 32 * 34 bytes) with kv_heads dividing "
+                                "q's heads");
   if (D < 1) throw std::invalid_argument("the head size must be at least 1");
   std::vector<mx::array> in{q, keys, values};
   if (mask) {

@@ -92,6 +92,12 @@ struct PrefillKernels<QK_ISA> {
     sc.a.assign(NP, 1.0f);
     sc.kt.resize((size_t)D * KEY_BLOCK);
     sc.s.resize((size_t)NP * KEY_BLOCK);
+    const bool q8 = j.keys8 != nullptr;  // q8_0 rows: a block of keys (and of values) dequantized as it is read
+    const size_t rb = q8 ? q8_row_bytes(D) : 0;
+    if (q8) {
+      sc.row.resize(D);
+      sc.vd.resize((size_t)KEY_BLOCK * D);
+    }
     // query vector n = (i - a0) * rep + r: position i, head g * rep + r
     int lo = j.S, hi = 0;
     for (int i = a0; i < a1; ++i) {
@@ -103,13 +109,17 @@ struct PrefillKernels<QK_ISA> {
         for (int d = 0; d < D; ++d) dst[d] = qh[d] * j.scale;
       }
     }
-    const float* K = j.keys + ((size_t)b * j.kvh + g) * j.S * D;
-    const float* Vv = j.values + ((size_t)b * j.kvh + g) * j.S * D;
+    const size_t head = ((size_t)b * j.kvh + g) * j.S;  // the head's first row
+    const float* K = q8 ? nullptr : j.keys + head * D;
+    const float* Vv = q8 ? nullptr : j.values + head * D;
     for (int kb = lo / KEY_BLOCK; kb * KEY_BLOCK < hi; ++kb) {
       const int j0 = kb * KEY_BLOCK, nk = std::min(KEY_BLOCK, j.S - j0);
       float* kt = sc.kt.data();
-      for (int x = 0; x < nk; ++x)
-        for (int d = 0; d < D; ++d) kt[(size_t)d * KEY_BLOCK + x] = K[(size_t)(j0 + x) * D + d];
+      for (int x = 0; x < nk; ++x) {
+        const float* kr = K ? K + (size_t)(j0 + x) * D : sc.row.data();
+        if (q8) dequant_q8_row(j.keys8 + (head + j0 + x) * rb, D, sc.row.data());
+        for (int d = 0; d < D; ++d) kt[(size_t)d * KEY_BLOCK + x] = kr[d];
+      }
       for (int x = nk; x < KEY_BLOCK; ++x)
         for (int d = 0; d < D; ++d) kt[(size_t)d * KEY_BLOCK + x] = 0.0f;
       for (int n0 = 0; n0 < NP; n0 += R)
@@ -165,7 +175,9 @@ struct PrefillKernels<QK_ISA> {
         sc.a[n] = a;
       }
       if (!any) continue;  // every query of the tile stays as it is
-      const float* vb = Vv + (size_t)j0 * D;
+      const float* vb = Vv ? Vv + (size_t)j0 * D : sc.vd.data();
+      if (q8)
+        for (int x = 0; x < nk; ++x) dequant_q8_row(j.values8 + (head + j0 + x) * rb, D, sc.vd.data() + (size_t)x * D);
       for (int n0 = 0; n0 < NP; n0 += R) {
         const float* p = sc.s.data() + (size_t)n0 * KEY_BLOCK;
         float* o = sc.o.data() + (size_t)n0 * D;

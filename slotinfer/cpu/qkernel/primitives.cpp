@@ -138,14 +138,15 @@ class RopeApply : public Rowwise {
 
 // An attention job's sizes, for B rows of `heads` query heads over `keys` [blocks, kvh, bs, D]
 // through `tables` [B, nblk], under `mask` (bool, one row of the span for all rows or one each).
-AttendJob attend_job(int B, int heads, const mx::array& keys, const mx::array& tables, const mx::array* mask,
-                         float scale, float softcap) {
+// keys: a float32 pool, or a q8_0 one (uint8 rows of D / 32 * 34 bytes); D: the head size
+AttendJob attend_job(int B, int heads, int D, const mx::array& keys, const mx::array& tables, const mx::array* mask,
+                     float scale, float softcap) {
   AttendJob j{};
   j.B = B;
   j.H = heads;
   j.kvh = keys.shape(1);
   j.bs = keys.shape(2);
-  j.D = keys.shape(3);
+  j.D = D;
   j.nblk = tables.shape(1);
   j.scale = scale;
   j.softcap = softcap;
@@ -186,19 +187,23 @@ class PagedDecodeAttention : public Rowwise {
   }
 
  protected:
-  // inputs: q [B, H, 1, D], keys, values [num_blocks, kvh, bs, D], tables [B, nblk] int32,
-  // and optionally a bool mask [B or 1, ..., span]
+  // inputs: q [B, H, 1, D], keys, values [num_blocks, kvh, bs, D] float32 (or q8_0 rows, uint8),
+  // tables [B, nblk] int32, and optionally a bool mask [B or 1, ..., span]
   mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[0].shape(); }
   Fn body(const std::vector<mx::array>& in) const override {
-    bool masked = in.size() > 4;
-    AttendJob j = attend_job(in[0].shape(0), in[0].shape(1), in[1], in[3], masked ? &in[4] : nullptr, scale_,
-                                 softcap_);
+    bool masked = in.size() > 4, q8 = in[1].dtype() == mx::uint8;
+    AttendJob j = attend_job(in[0].shape(0), in[0].shape(1), in[0].shape(3), in[1], in[3], masked ? &in[4] : nullptr,
+                             scale_, softcap_);
     return [=](const std::vector<const float*>& f, const std::vector<const void*>& o, float* out) mutable {
+      // floats: q, [keys, values]; others: [keys, values], tables, mask
+      const int t = q8 ? 2 : 0;
       j.q = f[0];
-      j.keys = f[1];
-      j.values = f[2];
-      j.tables = static_cast<const int32_t*>(o[0]);
-      j.mask = masked ? static_cast<const bool*>(o[1]) : nullptr;
+      j.keys = q8 ? nullptr : f[1];
+      j.values = q8 ? nullptr : f[2];
+      j.keys8 = q8 ? static_cast<const uint8_t*>(o[0]) : nullptr;
+      j.values8 = q8 ? static_cast<const uint8_t*>(o[1]) : nullptr;
+      j.tables = static_cast<const int32_t*>(o[t]);
+      j.mask = masked ? static_cast<const bool*>(o[t + 1]) : nullptr;
       j.out = out;
       attend_pooled(j);
     };
@@ -281,24 +286,30 @@ class AttendOut : public Rowwise {
  protected:
   mx::Shape out_shape(const std::vector<mx::array>& in) const override { return in[3].shape(); }
   Fn body(const std::vector<mx::array>& in) const override {
-    AttendJob j = attend_job(in[0].shape(0), heads_, in[1], in[4], &in[5], scale_, softcap_);
+    const int kvh = in[1].shape(1), D = in[0].shape(-1) / (heads_ + 2 * kvh);
+    const bool q8 = in[1].dtype() == mx::uint8;
+    AttendJob j = attend_job(in[0].shape(0), heads_, D, in[1], in[4], &in[5], scale_, softcap_);
     j.q_stride = in[0].shape(-1);
     const int hid = in[3].shape(-1);
     const Format f = f_;
     return [=](const std::vector<const float*>& fp, const std::vector<const void*>& o, float* out) mutable {
-      // floats: qkv, keys, values, x; others: tables, mask, w_o
+      // floats: qkv, [keys, values], x; others: [keys, values], tables, mask, w_o
+      const int t = q8 ? 2 : 0;
+      const float* x = fp[q8 ? 1 : 3];
       thread_local std::vector<float> att, y;
       att.resize((size_t)j.B * j.H * j.D);
       y.resize((size_t)j.B * hid);
       j.q = fp[0];
-      j.keys = fp[1];
-      j.values = fp[2];
-      j.tables = static_cast<const int32_t*>(o[0]);
-      j.mask = static_cast<const bool*>(o[1]);
+      j.keys = q8 ? nullptr : fp[1];
+      j.values = q8 ? nullptr : fp[2];
+      j.keys8 = q8 ? static_cast<const uint8_t*>(o[0]) : nullptr;
+      j.values8 = q8 ? static_cast<const uint8_t*>(o[1]) : nullptr;
+      j.tables = static_cast<const int32_t*>(o[t]);
+      j.mask = static_cast<const bool*>(o[t + 1]);
       j.out = att.data();
       attend_pooled(j);
-      run(f, att.data(), static_cast<const uint8_t*>(o[2]), y.data(), j.B, j.H * j.D, hid);
-      for (size_t i = 0; i < (size_t)j.B * hid; ++i) out[i] = fp[3][i] + y[i];
+      run(f, att.data(), static_cast<const uint8_t*>(o[t + 2]), y.data(), j.B, j.H * j.D, hid);
+      for (size_t i = 0; i < (size_t)j.B * hid; ++i) out[i] = x[i] + y[i];
     };
   }
 
@@ -385,12 +396,21 @@ mx::array rope_apply(const mx::array& x, const mx::array& cos, const mx::array& 
 }
 
 // The pools, block tables and mask of attention over blocks for B rows of `heads` query heads of size D.
+// Pools: float32, or q8_0 (uint8 rows of D / 32 * 34 bytes: a float16 scale and 32 int8 values a block).
 void need_paged(const mx::array& keys, const mx::array& values, const mx::array& tables, const mx::array* mask, int B,
                 int heads, int D) {
-  need_f32(keys, "keys");
-  need_f32(values, "values");
-  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.shape(3) != D || heads % keys.shape(1) != 0)
-    throw std::invalid_argument("keys and values must be [blocks, kv_heads, block_size, D], kv_heads dividing heads");
+  const bool q8 = keys.dtype() == mx::uint8;
+  if (q8) {
+    if (values.dtype() != mx::uint8 || D % 32 != 0)
+      throw std::invalid_argument("q8_0 pools (uint8) need uint8 values too and a head size that 32 divides");
+  } else {
+    need_f32(keys, "keys");
+    need_f32(values, "values");
+  }
+  const int row = q8 ? q8_row_bytes(D) : D;
+  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.shape(3) != row || heads % keys.shape(1) != 0)
+    throw std::invalid_argument("keys and values must be [blocks, kv_heads, block_size, D] (q8_0: D / 32 * 34 "
+                                "bytes), kv_heads dividing heads");
   if (tables.dtype() != mx::int32 || tables.ndim() != 2 || tables.shape(0) != B)
     throw std::invalid_argument("tables must be int32 [B, blocks]");
   size_t span = (size_t)tables.shape(1) * keys.shape(2);
@@ -460,7 +480,10 @@ mx::array attend_out(const mx::array& qkv, const mx::array& keys, const mx::arra
   if (x.ndim() != 3 || x.shape(1) != 1) throw std::invalid_argument("x must be [B, 1, hidden]");
   int B = x.shape(0), hid = x.shape(2);
   if (keys.ndim() != 4) throw std::invalid_argument("keys must be [blocks, kv_heads, block_size, D]");
-  int kvh = keys.shape(1), D = keys.shape(3);
+  int kvh = keys.shape(1);
+  if (qkv.ndim() != 3 || heads < 1 || qkv.shape(2) % (heads + 2 * kvh) != 0)
+    throw std::invalid_argument("qkv must be [B, 1, (heads + 2 kv_heads) D]");
+  int D = qkv.shape(2) / (heads + 2 * kvh);
   need_paged(keys, values, tables, &mask, B, heads, D);
   if (qkv.ndim() != 3 || qkv.shape(0) != B || qkv.shape(1) != 1 || qkv.shape(2) != (heads + 2 * kvh) * D)
     throw std::invalid_argument("qkv must be [B, 1, (heads + 2 kv_heads) D]");
