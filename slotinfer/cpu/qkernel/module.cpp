@@ -59,7 +59,7 @@ NB_MODULE(_qkernel, m) {
   m.def("set_threads", [](int t) { g_threads = std::max(1, t); }, "threads"_a);
   m.def("threads", []() { return g_threads; });
   m.def("set_spare_rows", [](int rows) { g_spare_rows = rows; }, "rows"_a,
-        "products of at most this many rows leave one core to the other threads (default 4; 0: never)");
+        "products of at most this many rows leave one core to the other threads (default 0: never)");
   m.def("set_spin_us", [](int us) { g_pool->spin_us = std::max(0, us); }, "microseconds"_a);
   m.def("set_int8_activations", [](bool on) { int8_activations() = on; }, "on"_a,
         "products quantize each row of x to int8 per block of 32 and multiply in integers (kernels_i8.h)");

@@ -40,11 +40,10 @@ void run(Format f, const float* x, const uint8_t* W, float* out, int m, int k, i
   int threads = std::max(1, std::min(g_threads, groups));
   // below ~64k multiply-adds a thread's wake-up costs more than its share saves
   if ((long)m * n * k < 65536L * threads) threads = 1;
-  // A decode step of a few rows leaves one core to the thread that builds the next step's graph
-  // meanwhile (mx.async_eval returns once all but a step's last few nodes are queued: its head runs
-  // while the host builds the next step): with every core in the product, the two wait on each
-  // other (SmolLM2 Q4_1 on 2 cores, one sequence: 86 tokens/s with the product on one thread, 73
-  // on two; from 8 rows the products are long enough that two threads win, 182 against 138).
+  // A product of at most g_spare_rows rows can leave one core to the thread that builds the next
+  // step's graph meanwhile (set_spare_rows).  Off by default: measured on 2 cores, quiet, SmolLM2
+  // Q4_1, every core in the head decodes 1.03-1.08x faster at one sequence and 1.02-1.18x at four
+  // than the head on one thread (benchmarks/bench_spare_rows.py).
   if (spare && m <= g_spare_rows) threads = std::min(threads, std::max(1, g_threads - 1));
   // Up to PIECES a thread, of PIECE_GROUPS groups or more (a piece's first groups go without the
   // prefetch of the groups before them), taken by whichever thread is free: one that starts late

@@ -14,7 +14,7 @@ namespace qk {
 namespace mx = mlx::core;
 
 inline int g_threads = 1;
-inline int g_spare_rows = 4;  // products of at most this many rows leave a core free (primitives.cpp, run)
+inline int g_spare_rows = 0;  // products of at most this many rows leave a core free (primitives.cpp, run); 0: none
 
 Format parse_format(const std::string& name);
 
