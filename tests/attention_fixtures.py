@@ -17,3 +17,13 @@ def reference(q, k, v, mask, scale, softcap=None):
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("bgrls,bgsd->bgrld", p, v).reshape(B, H, L, D)
+
+
+def paged_reference(q, keys, values, tables, mask, scale, softcap=None):
+    """:func:`reference` for one query a row over pool blocks: q [B, H, 1, D], pools [blocks, kvh, bs, D],
+    ``tables`` [B, nblk], ``mask`` [B, nblk * bs] True where the row sees a position."""
+    q, keys, values, tables, mask = (np.array(a) for a in (q, keys, values, tables, mask))
+    b, d, kvh = q.shape[0], q.shape[-1], keys.shape[1]
+    k = keys[tables].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d)  # [b, kvh, span, d]
+    v = values[tables].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d)
+    return reference(q, k, v, mask[:, None], scale, softcap or None)

@@ -9,6 +9,7 @@ Skipped where the extension was not built (the MLX ops then serve, tests/cpu/tes
 
 import numpy as np
 import pytest
+from attention_fixtures import paged_reference
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -98,27 +99,13 @@ def pools(c):
     return q, keys, values, tables, mask, lengths
 
 
-def reference(q, keys, values, tables, mask, scale, softcap):
-    b, heads, _, d = q.shape
-    kvh, bs = keys.shape[1], keys.shape[2]
-    k = keys[tables].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d).astype(np.float64)  # [b, kvh, span, d]
-    v = values[tables].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d).astype(np.float64)
-    k, v = np.repeat(k, heads // kvh, axis=1), np.repeat(v, heads // kvh, axis=1)
-    s = np.einsum("bhd,bhsd->bhs", q[:, :, 0].astype(np.float64) * scale, k)
-    if softcap:
-        s = np.tanh(s / softcap) * softcap
-    s = np.where(mask[:, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (np.einsum("bhs,bhsd->bhd", p / p.sum(-1, keepdims=True), v))[:, :, None]
-
-
 @given(attention_cases())
 def test_paged_decode_attention_matches_float64(kernels, c):
     q, keys, values, tables, mask, _ = pools(c)
     scale = c["d"] ** -0.5
     got = module.paged_decode_attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(tables),
                                         mx.array(mask)[:, None, None], scale, c["softcap"])
-    np.testing.assert_allclose(np.array(got), reference(q, keys, values, tables, mask, scale, c["softcap"]),
+    np.testing.assert_allclose(np.array(got), paged_reference(q, keys, values, tables, mask, scale, c["softcap"]),
                                rtol=2e-5, atol=2e-6)
 
 

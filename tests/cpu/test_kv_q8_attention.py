@@ -10,6 +10,7 @@ set this CPU runs is held to them.  Skipped where the extension was not built.
 
 import numpy as np
 import pytest
+from attention_fixtures import paged_reference
 from attention_fixtures import reference as prefill_reference
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,21 +60,6 @@ def q8_pools(c):
     return mx.array(q), k8, v8, mx.array(tables), mx.array(mask), lengths
 
 
-def decode_reference(q, keys, values, tables, mask, scale, softcap):
-    q, keys, values, tables, mask = (np.array(a) for a in (q, keys, values, tables, mask))
-    b, heads, _, d = q.shape
-    kvh = keys.shape[1]
-    k = keys[tables].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d).astype(np.float64)
-    v = values[tables].transpose(0, 2, 1, 3, 4).reshape(b, kvh, -1, d).astype(np.float64)
-    k, v = np.repeat(k, heads // kvh, axis=1), np.repeat(v, heads // kvh, axis=1)
-    s = np.einsum("bhd,bhsd->bhs", q[:, :, 0].astype(np.float64) * scale, k)
-    if softcap:
-        s = np.tanh(s / softcap) * softcap
-    s = np.where(mask[:, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return (np.einsum("bhs,bhsd->bhd", p / p.sum(-1, keepdims=True), v))[:, :, None]
-
-
 @given(decode_cases())
 def test_decode_reads_q8_blocks_as_the_float_loops_read_them_dequantized(kernels, c):
     q, k8, v8, tables, mask, _ = q8_pools(c)
@@ -82,7 +68,7 @@ def test_decode_reads_q8_blocks_as_the_float_loops_read_them_dequantized(kernels
     kf, vf = dequantize(k8), dequantize(v8)
     assert mx.array_equal(got, module.paged_decode_attention(q, kf, vf, tables, mask[:, None, None], scale,
                                                             c["softcap"])).item()
-    want = decode_reference(q, kf, vf, tables, mask, scale, c["softcap"])
+    want = paged_reference(q, kf, vf, tables, mask, scale, c["softcap"])
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5)
     # the MLX fallback (no native ops) over the same blocks
     mlx = paged_attend(q, k8, v8, tables, scale, mask[:, None, None], c["softcap"] or None, MLX_OPS)
