@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import slotinfer  # noqa: E402,F401  before MLX: slotinfer swaps in its BLAS
 import mlx.core as mx  # noqa: E402
 from slotinfer import default_model  # noqa: E402
-from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, Engine  # noqa: E402
+from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, SYNC_COST, Engine  # noqa: E402
 from slotinfer.engine.decoder import row_bucket  # noqa: E402
 from slotinfer.engine.verify import EXACT_ROWS  # noqa: E402
 from slotinfer.spec import CostModel, Drafter  # noqa: E402
@@ -68,6 +68,42 @@ def calibrate(model, repeats=30, context=256):
     base = times[1]
     cs = {n: (times[n] / base - 1) / (n - 1) for n in times if n > 1}
     return times, cs
+
+
+class _Never:
+    """A draft source that never drafts, with its gate open: every step is read back first."""
+
+    name, prior = "never", (50.0, 1.0)
+
+    def propose(self, row, k):
+        return []
+
+
+def calibrate_sync(model, rounds=7, steps=48, context=256):
+    """One row at ``context`` tokens decoding ``steps`` tokens, its steps pipelined (speculation off)
+    against each read back before the next is issued (speculation on, a gate open, no draft ever):
+    the median over alternated rounds of the ms a step of each, and the gate's ``sync_cost``."""
+    engines = {False: Engine(model, slots=1, max_len=context + steps + 8),
+               True: Engine(model, slots=1, max_len=context + steps + 8, speculative="ngram", sync_cost=0.0)}
+    per = {False: [], True: []}
+    for r in range(rounds + 1):
+        for waits in ((False, True) if r % 2 else (True, False)):
+            eng = engines[waits]
+            if waits:
+                eng.drafter = Drafter(sources=[_Never()], cost=CostModel(position_cost=POSITION_COST,
+                                                                         bandwidth_rows=BANDWIDTH_ROWS))
+            item = eng.make_item(list(range(10, 10 + context)), max_tokens=steps, ignore_eos=True)
+            eng.add(item)
+            while not item.handle.done():  # the prompt, then its first token
+                eng.step()
+                if len(item.tokens) >= 1:
+                    break
+            t, n = time.perf_counter(), len(item.tokens)
+            eng.run_until_done()
+            if r:
+                per[waits].append((time.perf_counter() - t) / (len(item.tokens) - n))
+    pipelined, waited = statistics.median(per[False]), statistics.median(per[True])
+    return pipelined, waited, waited / pipelined - 1
 
 
 def calibrate_rows(model, live=4, most=16, repeats=20, context=256):
@@ -124,10 +160,10 @@ def load_sets(model, gen):
     }
 
 
-def run(engine, reqs, draft_tokens, position_cost, bandwidth_rows):
+def run(engine, reqs, draft_tokens, position_cost, bandwidth_rows, sync_cost=SYNC_COST):
     if engine.speculative:
         engine.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,
-                                                bandwidth_rows=bandwidth_rows))
+                                                bandwidth_rows=bandwidth_rows, sync_cost=sync_cost))
     for k in ("steps", "spec_passes", "spec_drafted", "spec_accepted", "decode_tokens"):
         engine.counters[k] = 0
     items = [engine.make_item(ids, **params) for ids, params in reqs]
@@ -158,6 +194,9 @@ def main():
     ap.add_argument("--position-cost", type=float, default=POSITION_COST)
     ap.add_argument("--bandwidth-rows", type=int, default=BANDWIDTH_ROWS,
                     help="positions per step (rows and drafts) past which nobody drafts")
+    ap.add_argument("--sync-cost", type=float, default=SYNC_COST,
+                    help="what a step read back first loses, as a fraction of a one-row step (the gate's sync_cost)")
+    ap.add_argument("--sync-costs", help="comma-separated sync costs to run side by side in each round, each against off")
     ap.add_argument("--only", help="run the workloads whose name contains this")
     ap.add_argument("--skip-calibration", action="store_true", help="the workloads only")
     ap.add_argument("--budgets", help="comma-separated positions-per-step budgets (bandwidth_rows) to run "
@@ -181,15 +220,21 @@ def main():
     print("verify step, 1 slot at 256 tokens: rows, ms, c(n)")
     for n, t in times.items():
         print(f"  {n:>2} {t * 1e3:7.2f}  {cs.get(n, 0.0):.3f}")
+    if not args.skip_calibration:
+        pipelined, waited, sync = calibrate_sync(model)
+        print(f"one row at 256 tokens: {pipelined * 1e3:.2f} ms a step pipelined, {waited * 1e3:.2f} ms read back "
+              f"first: sync_cost {sync:.3f}", flush=True)
     print(f"median c over 2..16 rows: {statistics.median(cs.values()):.3f}", flush=True)
     if args.calibrate:
         return
     sets = load_sets(model, args.gen)
     print(f"\n{args.rounds} counted rounds, gen {args.gen}, draft_tokens {args.draft_tokens}, "
-          f"position_cost {args.position_cost}, bandwidth_rows {args.bandwidth_rows}")
+          f"position_cost {args.position_cost}, bandwidth_rows {args.bandwidth_rows}, sync_cost {args.sync_cost}")
     print(f"{'workload':<28} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} {'accept':>6} {'tok/pass':>8} "
           f"{'steps off/on':>12}")
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [args.bandwidth_rows]
+    syncs = [float(x) for x in args.sync_costs.split(",")] if args.sync_costs else [args.sync_cost]
+    variants = [(b, x) for b in budgets for x in syncs]  # each against off
     for name, (slots, reqs) in sets.items():
         if args.only and args.only not in name:
             continue
@@ -197,32 +242,34 @@ def main():
         engines = {m: Engine(model, slots=slots, max_len=max_len, prefill_tokens=512,
                              speculative="ngram" if m else None, draft_tokens=args.draft_tokens,
                              position_cost=args.position_cost) for m in (False, True)}
-        modes = [0, *budgets]  # 0: off; else on, with that many positions a step at most
-        ratios = {b: [] for b in budgets}
+        modes = [None, *variants]  # None: off; else on, with (most positions a step, sync cost)
+        ratios = {v: [] for v in variants}
         rates = {m: [] for m in modes}
         steps, stats = {}, {}
         for r in range(args.rounds + 1):
             got = {}
             for m in modes[r % len(modes):] + modes[:r % len(modes)]:  # each round starts one further on
-                rate, outs, c = run(engines[m > 0], reqs, args.draft_tokens, args.position_cost, m or 1)
+                budget, sync = m or (1, 0.0)
+                rate, outs, c = run(engines[m is not None], reqs, args.draft_tokens, args.position_cost, budget, sync)
                 got[m] = (rate, outs)
                 steps[m], stats[m] = c["steps"], c
-            if any(got[m][1] != got[0][1] for m in budgets):
+            if any(got[m][1] != got[None][1] for m in variants):
                 sys.exit(f"{name}: outputs differ with speculation on")
             if r == 0:
                 continue  # warm-up: compiled steps
             for m in modes:
                 rates[m].append(got[m][0])
-            for b in budgets:
-                ratios[b].append(got[b][0] / got[0][0])
-        for b in budgets:
-            st = stats[b]
+            for v in variants:
+                ratios[v].append(got[v][0] / got[None][0])
+        for v in variants:
+            st = stats[v]
             acc = st["spec_accepted"] / st["spec_drafted"] if st["spec_drafted"] else 0.0
             per = (st["spec_accepted"] + st["spec_passes"]) / st["spec_passes"] if st["spec_passes"] else 1.0
-            label = name if len(budgets) == 1 else f"{name}, budget {b}"
-            print(f"{label:<28} {statistics.median(rates[0]):9.1f} {statistics.median(rates[b]):9.1f} "
-                  f"{statistics.median(ratios[b]):6.2f} {acc:6.2f} {per:8.2f} {steps[0]:>5}/{steps[b]:<6} "
-                  f"ratios {', '.join(f'{x:.2f}' for x in ratios[b])}", flush=True)
+            label = name + (f", budget {v[0]}" if len(budgets) > 1 else "") + (f", sync {v[1]}" if len(syncs) > 1 else "")
+            print(f"{label:<28} {statistics.median(rates[None]):9.1f} {statistics.median(rates[v]):9.1f} "
+                  f"{statistics.median(ratios[v]):6.2f} {acc:6.2f} {per:8.2f} {steps[None]:>5}/{steps[v]:<6} "
+                  f"ratios {', '.join(f'{x:.2f}' for x in ratios[v])}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,11 @@ SPECULATIVE = (None, "ngram")  # what ``speculative`` takes: off, or drafts from
 # about doubles from 4 rows to 6, so nobody drafts past 4 positions.
 POSITION_COST = 0.2
 BANDWIDTH_ROWS = 4
+# A step whose previous one is read back first loses the overlap of the host's work (reading tokens,
+# drafting, building the step) with the device's: about this fraction of a one-row step on that CPU
+# (benchmarks/bench_spec.py --calibrate).  A row makes steps wait only while drafts come often enough
+# to pay for it.
+SYNC_COST = 0.1
 
 
 @dataclass
@@ -65,16 +70,18 @@ class _Verified:
 class SpeculativeSteps:
     """The speculative parts of the engine's step (a mixin of :class:`~slotinfer.engine.engine.Engine`)."""
 
-    def _speculate(self, speculative, *, draft_tokens: int, position_cost: float, bandwidth_rows: int):
+    def _speculate(self, speculative, *, draft_tokens: int, position_cost: float, bandwidth_rows: int,
+                   sync_cost: float):
         """Set up the drafter and the verify step (none when ``speculative`` is None)."""
         self.speculative = speculative
         self.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,
-                                              bandwidth_rows=bandwidth_rows)) if speculative else None
+                                              bandwidth_rows=bandwidth_rows, sync_cost=sync_cost)) if speculative else None
         self.verifier = Verifier(self.model.net, self.table, self.slots * (draft_tokens + 1)) if speculative else None
 
     def _may_draft(self) -> bool:
-        """Whether some running row could verify a draft this step (its gate is open for a source,
-        and the step is not compute-bound): only then is the step in flight read back first."""
+        """Whether some running row could verify a draft this step (its gate is open for a source, its
+        drafts come often enough to pay for the wait, and the step is not compute-bound): only then
+        is the step in flight read back first."""
         d = self.drafter
         if d is None:
             return False

@@ -21,7 +21,7 @@ class Row:
     """One request's drafting state: its tokens (prompt and output) with their n-gram index, its
     ``cache_salt``, its constraint's matcher (or None), and the acceptance of each source."""
 
-    __slots__ = ("index", "salt", "matcher", "acceptance", "pending", "fed")
+    __slots__ = ("index", "salt", "matcher", "acceptance", "pending", "fed", "found")
 
     def __init__(self, index: NgramIndex, *, salt: str | None = None, matcher=None,
                  acceptance: dict[str, Acceptance] | None = None):
@@ -30,6 +30,8 @@ class Row:
         # source -> (start, draft, verified): drafts waiting for the tokens that score them
         self.pending: dict[str, tuple[int, list[int], bool]] = {}
         self.fed = 0  # tokens already given to the suffix pool
+        # how often a source whose gate is open has had a draft, over recent steps (decayed)
+        self.found = 1.0
 
     @property
     def tokens(self) -> list[int]:
@@ -47,7 +49,8 @@ class Drafter:
 
     ``sources``: objects with ``name`` and ``propose(row, k) -> list[int]``, and optionally
     ``prior``, the ``(accepted, misses)`` a new row's acceptance starts from (default ``(0, 1)``:
-    shut until shadow drafts show it pays); by default forced tokens, then prompt lookup, then a
+    shut until shadow drafts show it pays), and ``applies(row)``, whether it can ever draft for a row
+    (default: always; a row has a gate only for the sources that apply to it); by default forced tokens, then prompt lookup, then a
     suffix pool shared by this drafter's rows.  A constrained row's drafts from other sources are
     cut where its grammar would refuse them (``LLMatcher.validate_tokens``).
     """
@@ -63,17 +66,20 @@ class Drafter:
         self.drafted = self.accepted = 0  # tokens of verified drafts, and those accepted
 
     def row(self, prompt: Iterable[int], *, salt: str | None = None, matcher=None) -> Row:
-        acceptance = {}
+        row = Row(self.lookup.index(prompt), salt=salt, matcher=matcher)
         for s in self.sources:
+            if hasattr(s, "applies") and not s.applies(row):
+                continue  # e.g. forced tokens for a row without a constraint: no gate, never asked
             accepted, misses = getattr(s, "prior", (0.0, 1.0))
-            acceptance[s.name] = Acceptance(self.decay, accepted=accepted, rejected=misses)
-        row = Row(self.lookup.index(prompt), salt=salt, matcher=matcher, acceptance=acceptance)
+            row.acceptance[s.name] = Acceptance(self.decay, accepted=accepted, rejected=misses)
         self._feed(row)
         return row
 
     def propose(self, row: Row, k: int) -> tuple[str, list[int]] | None:
         """The first source with a draft for ``row``, and that draft (at most ``k`` tokens)."""
         for source in self.sources:
+            if source.name not in row.acceptance:
+                continue
             draft = self._draft(row, source, k)
             if draft:
                 return source.name, draft
@@ -95,6 +101,8 @@ class Drafter:
             pick = None
             limit = self.cost.max_k if limits is None else min(self.cost.max_k, limits[i])
             for source in self.sources:
+                if source.name not in row.acceptance:
+                    continue
                 draft = self._draft(row, source, limit) if limit > 0 else []
                 if not draft:
                     continue
@@ -103,6 +111,7 @@ class Drafter:
                     pick = (row, source.name, draft)
                     break
                 self._shadow(row, source.name, draft)
+            row.found = self.decay * row.found + (1.0 - self.decay) * (pick is not None)
             chosen.append(pick)
             if pick is not None:
                 at.append(len(chosen) - 1)
@@ -120,8 +129,12 @@ class Drafter:
         return out
 
     def may_draft(self, row: Row) -> bool:
-        """Whether some source's gate is open for ``row`` (else :meth:`step` only shadows it)."""
-        return any(self.cost.opens(a.rate) for a in row.acceptance.values())
+        """Whether reading ``row``'s tokens back before the next step pays: some source's gate is
+        open for it (else :meth:`step` only shadows it), and the share of steps in which an open
+        source has had a draft, times what a draft gains, outweighs the host and device work that
+        the read-back keeps from overlapping (``cost.sync_cost``)."""
+        best = max((a.rate for a in row.acceptance.values() if self.cost.opens(a.rate)), default=None)
+        return best is not None and row.found * self.cost.draft_value(best) > self.cost.sync_cost
 
     def withdraw(self, row: Row) -> None:
         """The draft :meth:`step` gave ``row`` is not verified after all (no room for it): it is

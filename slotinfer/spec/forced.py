@@ -24,6 +24,12 @@ class ForcedTokens:
     # grammar's only way on, and the model takes them unless it would spell them in other tokens.
     prior = (9.0, 1.0)
 
+    @staticmethod
+    def applies(row) -> bool:
+        """Only a constrained row has forced tokens (a free row's gate for them would stay open at
+        the prior, and have every step read back first for drafts that never come)."""
+        return row.matcher is not None
+
     def propose(self, row, k: int) -> list[int]:
         matcher = row.matcher
         if matcher is None or k <= 0 or matcher.is_stopped():

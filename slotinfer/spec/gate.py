@@ -44,16 +44,19 @@ class CostModel:
     ``position_cost``: one extra verified position as a fraction of a one-row step.
     ``bandwidth_rows``: positions per step below which a step is bandwidth-bound.
     ``max_k``: the longest draft a row verifies in one step.
+    ``sync_cost``: what a step loses, as a fraction of a one-row step, when the host reads the step
+    before it back first (to draft from its tokens) instead of building it while that one runs.
     """
 
     position_cost: float = 0.31
     bandwidth_rows: int = 16
     max_k: int = 8
+    sync_cost: float = 0.0
 
     def __post_init__(self):
-        if not self.position_cost > 0 or self.bandwidth_rows < 1 or self.max_k < 0:
-            raise ValueError("need position_cost > 0, bandwidth_rows >= 1 and max_k >= 0, got "
-                             f"{self.position_cost}, {self.bandwidth_rows}, {self.max_k}")
+        if not self.position_cost > 0 or self.bandwidth_rows < 1 or self.max_k < 0 or not self.sync_cost >= 0:
+            raise ValueError("need position_cost > 0, bandwidth_rows >= 1, max_k >= 0 and sync_cost >= 0, got "
+                             f"{self.position_cost}, {self.bandwidth_rows}, {self.max_k}, {self.sync_cost}")
 
     def step_cost(self, positions: int) -> float:
         return 1.0 + self.position_cost * (positions - 1)
@@ -66,6 +69,11 @@ class CostModel:
         """The draft length, ``0..min(limit, max_k)``, that maximizes :meth:`gain` (0: do not draft)."""
         limit = self.max_k if limit is None else min(limit, self.max_k)
         return plan([(a, limit)], 1, self)[0]
+
+    def draft_value(self, a: float) -> float:
+        """What a step in which a lone row drafts at acceptance ``a`` gains over one that does not,
+        in one-row steps: ``gain(a, best_k(a)) - 1`` (0 where drafting does not pay)."""
+        return max(0.0, self.gain(a, self.best_k(a, self.bandwidth_rows - 1)) - 1.0)
 
     def opens(self, a: float) -> bool:
         """Whether a row alone would draft at acceptance ``a``: its first position pays iff ``a > c``."""

@@ -171,6 +171,36 @@ def test_shadow_drafts_open_the_gate_when_copying_starts():
     assert len(drafts) < len(prompt)  # fewer verify passes than tokens
 
 
+def test_a_free_row_has_no_gate_for_forced_tokens_and_does_not_make_steps_wait():
+    drafter = Drafter()
+    row = drafter.row(list(range(30)))  # nothing to copy, no constraint
+    assert "forced" not in row.acceptance and set(row.acceptance) == {"lookup", "pool"}
+    assert not drafter.may_draft(row)  # every gate shut: the engine keeps its steps pipelined
+
+
+@given(st.floats(0.01, 0.5), st.integers(60, 90))
+def test_drafts_that_rarely_come_stop_making_steps_wait_and_copying_brings_them_back(sync_cost, fresh_steps):
+    cost = CostModel(position_cost=0.2, bandwidth_rows=4, sync_cost=sync_cost)
+    drafter = Drafter(cost=cost)
+    row = drafter.row(list(range(100, 140)))
+    row.acceptance["lookup"] = Acceptance(accepted=50.0, rejected=1.0)  # an open gate, right when it drafts
+    value = cost.draft_value(row.acceptance["lookup"].rate)
+    assert value > 0.5 and drafter.may_draft(row) == (value > sync_cost)
+    token = 1000
+    for _ in range(fresh_steps):  # new text every step: no source has a draft
+        assert drafter.step([row]) == [[]]
+        drafter.append(row, [token])
+        token += 1
+    assert not drafter.may_draft(row)  # its steps stay pipelined; the gate itself is still open
+    assert row.acceptance["lookup"].rate > 0.9
+    assert Drafter(cost=CostModel(position_cost=0.2, bandwidth_rows=4)).may_draft(row)  # with no sync cost
+    tail = row.tokens[-8:]
+    for _ in range(25):  # the row starts copying its own text: lookup drafts again
+        drafter.step([row])
+        drafter.append(row, tail)
+    assert drafter.may_draft(row)
+
+
 # -- forced tokens from a real matcher ----------------------------------------------------------
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -211,6 +241,15 @@ def _check_forced(model, kind, value, text):
         assert matcher.consume_token(t), matcher.get_error()
     assert matcher.is_accepting()
     return total
+
+
+def test_a_constrained_row_has_a_forced_gate_open_from_the_start(tokenizers):
+    constraint = tokenizers["llama"].grammars.constraint({"json_schema": json.dumps(SCHEMA)})
+    constraint.wait()
+    drafter = Drafter()
+    row = drafter.row([0], matcher=constraint.matcher)
+    assert row.acceptance["forced"].rate == pytest.approx(0.9) and drafter.may_draft(row)
+    assert drafter.step([row])[0] == constraint.matcher.compute_ff_tokens()[:8]  # '{"name":"' forced
 
 
 names = st.text(st.characters(codec="ascii", categories=["L", "N"]), min_size=1, max_size=12)
