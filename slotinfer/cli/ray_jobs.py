@@ -69,7 +69,12 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         raise UsageError("--ray needs --output (a .jsonl file or a .parquet folder) to write and resume")
     if not os.path.exists(path):  # before a cluster is started for nothing
         raise UsageError(f"input {path!r} does not exist")
+    # Ray Data's tasks read INPUT and write a .parquet OUT in Ray's workers, whose working directory is
+    # not this one (on a running cluster): they get absolute paths
+    path = os.path.abspath(path)
     parquet = args.output.endswith(".parquet")
+    if parquet:
+        args.output = os.path.abspath(args.output)
     run = run_id(kw["labels"], kw["label_prefix"], kw["prefix"], kw["suffix"]) if command == "classify" else None
     if parquet:
         done, state = _done_parquet(args.output), None
@@ -82,8 +87,13 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         logging.getLogger("ray.data").setLevel(logging.WARNING)
     started = not ray.is_initialized()
     if started:
-        ray.init(address=args.ray_address, **({} if args.ray_address else _local_resources()),
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            ray.init(address=args.ray_address, **({} if args.ray_address else _local_resources()),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            from .common import ray_connect_error
+
+            raise UsageError(ray_connect_error(args.ray_address, e)) from None
     start = time.perf_counter()
     try:
         try:
