@@ -111,7 +111,7 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
             ds = ds.map_batches(_Skip(done), batch_format="pyarrow")
         callable_ = sr.Classifier if command == "classify" else sr.Generator
         ds = ds.map_batches(callable_, fn_constructor_kwargs=kw, batch_size=batch_size, batch_format="pyarrow",
-                            **sr.actor_options(args.actors, cores=_node_cores()))
+                            **sr.actor_options(args.actors, **_node_cores()))
         ds = ds.select_columns(["id", *fields, "error"])
         counts = _write_parquet(ds, args.output) if parquet else _append_jsonl(ds, args.output, fields, run, state)
     except ray.exceptions.RayActorError as e:  # the actors' constructor raised: the model or an option is bad
@@ -137,12 +137,13 @@ def _local_resources() -> dict:
     return {"resources": {sr.MLX_GPU: 1}} if mx.metal.is_available() else {}
 
 
-def _node_cores() -> int:
-    """Cores of the cluster's largest node: actors are sized to share one node's cores."""
+def _node_cores() -> dict:
+    """Cores of the cluster's largest node and the number of nodes with CPUs: Ray Data spreads the actors
+    over the nodes, and those on one node share its cores."""
     import ray
 
     cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
-    return int(max(cpus, default=0)) or os.cpu_count() or 1
+    return {"cores": int(max(cpus, default=0)) or os.cpu_count() or 1, "nodes": max(sum(c > 0 for c in cpus), 1)}
 
 
 def _read(path: str):
