@@ -13,10 +13,10 @@ ray = pytest.importorskip("ray", reason="Ray Serve is the optional extra slotinf
 serve = pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow  # two Ray nodes, a Serve application
 
-from ray.cluster_utils import Cluster  # noqa: E402
-from ray.util.state import list_actors  # noqa: E402
+from ray.cluster_utils import Cluster
+from ray.util.state import list_actors
 
-import slotinfer.ray as sr  # noqa: E402
+import slotinfer.ray as sr
 
 NAME = "qwen3"  # the tiny model's folder: its name in the API
 DEPLOYMENT = f"slotinfer-{NAME}"
