@@ -128,8 +128,10 @@ def _wait_running(serve, name: str, stop: threading.Event) -> str | None:
             continue
         if app.status == "RUNNING":
             return None
-        if app.status == "DEPLOY_FAILED":
-            return str(app.message).strip().splitlines()[-1] if str(app.message).strip() else "unknown reason"
+        if app.status == "DEPLOY_FAILED":  # the failed deployment's message ends with its replica's exception
+            reasons = [str(d.message).strip().splitlines()[-1] for d in app.deployments.values()
+                       if d.status in ("UNHEALTHY", "DEPLOY_FAILED") and str(d.message or "").strip()]
+            return "; ".join(reasons) or str(app.message).strip() or "unknown reason"
         for deployment in app.deployments.values():
             message = str(deployment.message or "").strip()
             if message and message not in said:
