@@ -63,15 +63,16 @@ def serve_app(model, **kw):
     return build(model, **kw)
 
 
-def actor_options(actors: int, *, device: str | None = None, cores: int | None = None) -> dict:
+def actor_options(actors: int, *, device: str | None = None, cores: int | None = None, nodes: int = 1) -> dict:
     """``map_batches`` keyword arguments that place ``actors`` engines on this kind of device.
 
     On a GPU, one actor per accelerator: ``num_gpus=1`` with CUDA, the custom resource
     ``{"mlx_gpu": 1}`` on Apple silicon (Ray does not count Metal GPUs; declare it with
-    ``ray start --resources '{"mlx_gpu": 1}'``).  On CPU, the node's ``cores`` (default:
-    this machine's) are split between the actors: each actor's BLAS runs ``cores //
-    actors`` threads (two engines each threading over every core would fight for them),
-    and the actors together ask Ray for all the node's CPUs but one.
+    ``ray start --resources '{"mlx_gpu": 1}'``).  On CPU, a node's ``cores`` (default:
+    this machine's) are split between the actors that run on it: Ray Data spreads the actors
+    over the cluster's ``nodes``, ``ceil(actors / nodes)`` on each, and each actor's BLAS runs
+    ``cores // that`` threads (two engines each threading over every core would fight for them);
+    the actors on a node together ask Ray for all its CPUs but one.
     """
     if not isinstance(actors, int) or isinstance(actors, bool) or actors < 1:
         raise slotinfer.InvalidRequestError(f"actors must be an int >= 1, got {actors!r}")
@@ -82,11 +83,14 @@ def actor_options(actors: int, *, device: str | None = None, cores: int | None =
         if mx.metal.is_available():
             return {"compute": ray.data.ActorPoolStrategy(size=actors), "resources": {MLX_GPU: 1}}
         return {"compute": ray.data.ActorPoolStrategy(size=actors), "num_gpus": 1}
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1:
+        raise slotinfer.InvalidRequestError(f"nodes must be an int >= 1, got {nodes!r}")
     cores = cores or os.cpu_count() or 1
-    threads = max(1, cores // actors)
-    # Ray's CPU count only schedules; the BLAS threads use the cores.  One logical CPU stays free
-    # for Ray Data's read and write tasks, which otherwise wait forever behind actors that hold them all.
-    share = max(cores - 1, 1) / actors
+    per_node = -(-actors // nodes)  # Ray Data spreads an actor pool over the nodes
+    threads = max(1, cores // per_node)
+    # Ray's CPU count only schedules; the BLAS threads use the cores.  One logical CPU of each node stays
+    # free for Ray Data's read and write tasks, which otherwise wait forever behind actors that hold them all.
+    share = max(cores - 1, 1) / per_node
     return {"compute": ray.data.ActorPoolStrategy(size=actors), "num_cpus": share,
             "runtime_env": {"env_vars": {"SLOTINFER_BLAS_THREADS": str(threads)}}}
 

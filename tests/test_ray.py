@@ -149,13 +149,23 @@ def test_actor_options_share_the_cores():
     assert opts["compute"].min_size == opts["compute"].max_size == 2
 
 
-@given(actors=st.integers(1, 64), cores=st.integers(1, 256))
-def test_actor_options_never_oversubscribe_a_node(actors, cores):
-    opts = sr.actor_options(actors, device="cpu", cores=cores)
+@given(actors=st.integers(1, 64), cores=st.integers(1, 256), nodes=st.integers(1, 16))
+def test_actor_options_never_oversubscribe_a_node(actors, cores, nodes):
+    opts = sr.actor_options(actors, device="cpu", cores=cores, nodes=nodes)
     threads = int(opts["runtime_env"]["env_vars"]["SLOTINFER_BLAS_THREADS"])
-    assert threads >= 1 and (threads * actors <= cores or threads == 1)
-    # all the actors fit on one node and leave a CPU for reading and writing (where the node has two)
-    assert actors * opts["num_cpus"] <= max(cores - 1, 1) + 1e-9
+    per_node = -(-actors // nodes)  # Ray Data spreads the pool: at most this many actors on a node
+    assert threads >= 1 and (threads * per_node <= cores or threads == 1)
+    # a node's actors fit on it and leave a CPU for reading and writing (where the node has two)
+    assert per_node * opts["num_cpus"] <= max(cores - 1, 1) + 1e-9
+    # and use its cores: one actor a node runs a thread per core
+    assert per_node > 1 or threads == cores
+
+
+def test_actor_options_one_actor_a_node_takes_the_node():
+    opts = sr.actor_options(2, device="cpu", cores=8, nodes=2)
+    assert opts["num_cpus"] == 7 and opts["runtime_env"]["env_vars"]["SLOTINFER_BLAS_THREADS"] == "8"
+    with pytest.raises(slotinfer.InvalidRequestError, match="nodes"):
+        sr.actor_options(2, device="cpu", nodes=0)
 
 
 def _classify_cli(args):

@@ -92,3 +92,22 @@ def add_ray_flags(parser, *, generate: bool = False):
             g.add_argument("--output", "-o", help="with --ray: .jsonl or .parquet output, resumable")
         if "--column" not in have:
             g.add_argument("--column", help="with --ray: the input column holding the prompt (default: text)")
+
+
+def ray_connect_error(address: str | None, e: BaseException) -> str:
+    """What to tell a user whose ``ray.init(address=...)`` failed: a cluster that wants its token
+    (Ray's token authentication, on by default for ``ray start --head`` since Ray 2.59) or no cluster."""
+    from ray.exceptions import AuthenticationError
+
+    cause: BaseException | None = e
+    token = False
+    for _ in range(8):  # Ray wraps the cause: a ConnectionError from a RuntimeError that quotes the
+        if cause is None:  # AuthenticationError's traceback in its message
+            break
+        token = token or isinstance(cause, AuthenticationError) or "InvalidAuthToken" in str(cause)
+        cause = cause.__cause__ or cause.__context__
+    if token:
+        return (f"the Ray cluster at {address!r} asks for its token: set RAY_AUTH_MODE=token here, with the token "
+                "that 'ray get-auth-token' prints on its head node in RAY_AUTH_TOKEN (or in ~/.ray/auth_token)")
+    return (f"cannot reach a Ray cluster at {address!r}: {e}; start one with 'ray start --head' "
+            "(or leave out --ray-address to start a local one)")

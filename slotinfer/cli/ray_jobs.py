@@ -69,7 +69,12 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         raise UsageError("--ray needs --output (a .jsonl file or a .parquet folder) to write and resume")
     if not os.path.exists(path):  # before a cluster is started for nothing
         raise UsageError(f"input {path!r} does not exist")
+    # Ray Data's tasks read INPUT and write a .parquet OUT in Ray's workers, whose working directory is
+    # not this one (on a running cluster): they get absolute paths
+    path = os.path.abspath(path)
     parquet = args.output.endswith(".parquet")
+    if parquet:
+        args.output = os.path.abspath(args.output)
     run = run_id(kw["labels"], kw["label_prefix"], kw["prefix"], kw["suffix"]) if command == "classify" else None
     if parquet:
         done, state = _done_parquet(args.output), None
@@ -82,8 +87,13 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
         logging.getLogger("ray.data").setLevel(logging.WARNING)
     started = not ray.is_initialized()
     if started:
-        ray.init(address=args.ray_address, **({} if args.ray_address else _local_resources()),
-                 include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            ray.init(address=args.ray_address, **({} if args.ray_address else _local_resources()),
+                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+        except (ConnectionError, ValueError, RuntimeError) as e:
+            from .common import ray_connect_error
+
+            raise UsageError(ray_connect_error(args.ray_address, e)) from None
     start = time.perf_counter()
     try:
         try:
@@ -101,7 +111,7 @@ def _run(command: str, path: str, args, kw: dict, batch_size: int, fields: list[
             ds = ds.map_batches(_Skip(done), batch_format="pyarrow")
         callable_ = sr.Classifier if command == "classify" else sr.Generator
         ds = ds.map_batches(callable_, fn_constructor_kwargs=kw, batch_size=batch_size, batch_format="pyarrow",
-                            **sr.actor_options(args.actors, cores=_node_cores()))
+                            **sr.actor_options(args.actors, **_node_cores()))
         ds = ds.select_columns(["id", *fields, "error"])
         counts = _write_parquet(ds, args.output) if parquet else _append_jsonl(ds, args.output, fields, run, state)
     except ray.exceptions.RayActorError as e:  # the actors' constructor raised: the model or an option is bad
@@ -127,12 +137,13 @@ def _local_resources() -> dict:
     return {"resources": {sr.MLX_GPU: 1}} if mx.metal.is_available() else {}
 
 
-def _node_cores() -> int:
-    """Cores of the cluster's largest node: actors are sized to share one node's cores."""
+def _node_cores() -> dict:
+    """Cores of the cluster's largest node and the number of nodes with CPUs: Ray Data spreads the actors
+    over the nodes, and those on one node share its cores."""
     import ray
 
     cpus = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
-    return int(max(cpus, default=0)) or os.cpu_count() or 1
+    return {"cores": int(max(cpus, default=0)) or os.cpu_count() or 1, "nodes": max(sum(c > 0 for c in cpus), 1)}
 
 
 def _read(path: str):

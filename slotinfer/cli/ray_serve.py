@@ -87,20 +87,22 @@ def run(args) -> int:
         ray.init(address=args.ray_address, **local, include_dashboard=False, log_to_driver=args.log_level == "debug",
                  configure_logging=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
-        print(f"slotinfer: error: cannot reach a Ray cluster at {args.ray_address!r}: {e}; start one with "
-              f"'ray start --head' (or leave out --ray-address to start a local one)", file=sys.stderr)
+        from .common import ray_connect_error
+
+        print(f"slotinfer: error: {ray_connect_error(args.ray_address, e)}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        try:
-            serve.run(app, name="slotinfer", route_prefix="/")
-        except RuntimeError as e:  # a replica's constructor failed: the model or an engine option is bad
-            print(f"slotinfer: error: the application could not start: {str(e).strip().splitlines()[-1]}",
-                  file=sys.stderr)
+        serve.run_many([serve.RunTarget(app, name="slotinfer", route_prefix="/")], wait_for_applications_running=False)
+        failed = _wait_running(serve, "slotinfer", stop)
+        if failed:  # a replica's constructor failed: the model or an engine option is bad
+            print(f"slotinfer: error: the application could not start: {failed}", file=sys.stderr)
             return 2
+        if stop.is_set():  # stopped while it started (it could not be placed, say)
+            return 0
         how = f"{args.replicas} replicas" if args.replicas else "{}..{} replicas (autoscaled)".format(*args.autoscale)
         print(f"slotinfer serve: {name} running on http://{args.host}:{args.port} on Ray Serve ({how} of "
               f"{args.slots} slots, routing: {args.routing}, API key "
@@ -113,6 +115,29 @@ def run(args) -> int:
             serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _wait_running(serve, name: str, stop: threading.Event) -> str | None:
+    """Wait until the application runs (None), fails to start (the reason), or ``stop`` is set (None).
+    Meanwhile, say why a deployment waits, each new reason once: a replica that no node has room for
+    (Serve's message names the resources it asked for) waits until one has, or Ctrl-C."""
+    said = set()
+    while not stop.wait(0.5):
+        app = serve.status().applications.get(name)
+        if app is None:
+            continue
+        if app.status == "RUNNING":
+            return None
+        if app.status == "DEPLOY_FAILED":  # the failed deployment's message ends with its replica's exception
+            reasons = [str(d.message).strip().splitlines()[-1] for d in app.deployments.values()
+                       if d.status in ("UNHEALTHY", "DEPLOY_FAILED") and str(d.message or "").strip()]
+            return "; ".join(reasons) or str(app.message).strip() or "unknown reason"
+        for deployment in app.deployments.values():
+            message = str(deployment.message or "").strip()
+            if message and message not in said:
+                said.add(message)
+                print(f"slotinfer serve: waiting: {message} (Ctrl-C stops)", file=sys.stderr, flush=True)
+    return None
 
 
 def _reachable(address: str, timeout: float = 3.0) -> bool:
