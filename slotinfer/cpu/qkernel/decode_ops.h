@@ -21,24 +21,10 @@
 #include <limits>
 #include <vector>
 
+#include "attend_scores.h"
 #include "qkernels.h"
 
 namespace qk {
-
-#define QK_INLINE inline __attribute__((always_inline))
-
-// A sum of n products in 16 lanes (lane l takes i = l mod 16), then a fixed tree; the tail in order.
-QK_INLINE float dot(const float* a, const float* b, int n) {
-  float acc[16] = {};
-  int i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  float s = acc[0];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 // e ** x as slotinfer.cpu.fastmath.exp computes it: x = k ln 2 + r, |r| <= ln 2 / 2, and 2^k from
 // the exponent bits (0 where 2^k would be 2^-126 or less, so -inf gives exactly 0).  The polynomial
@@ -107,11 +93,29 @@ struct AttendJob {
   float softcap;           // 0: none
 };
 
+// The largest of n scores as a scan in order finds it (top = max(top, s_i) from -inf: a NaN is never
+// taken, and of equal scores the first stays), in 16 lanes so that it vectorizes: equal scores are
+// the same bits but for zeros, so a zero maximum is the first zero in order (its sign).
+QK_INLINE float scores_max(const float* s, int n) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float lanes[16];
+  for (int l = 0; l < 16; ++l) lanes[l] = ninf;
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] = std::max(lanes[l], s[i + l]);
+  float top = ninf;
+  for (int l = 0; l < 16; ++l) top = std::max(top, lanes[l]);
+  for (; i < n; ++i) top = std::max(top, s[i]);
+  if (top == 0.0f)
+    for (i = 0; i < n; ++i)
+      if (s[i] == 0.0f) return s[i];
+  return top;
+}
+
 // A head's scores s (span of them) to e = exp(s - max) in place; false where every score is -inf
 QK_INLINE bool softmax_weights(float* s, int span) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  float top = ninf;
-  for (int i = 0; i < span; ++i) top = std::max(top, s[i]);
+  const float top = scores_max(s, span);
   if (top == ninf) return false;
   for (int i = 0; i < span; ++i) s[i] -= top;
   exp_inplace(s, span);
@@ -170,7 +174,7 @@ QK_INLINE void attend_values_q8(const AttendJob& j, int b, int g, int h0, int re
 // of e_j, positions with e_j = 0 skipped (a masked or underflowed position adds nothing).  A head's
 // values are the same whichever heads it goes with.  DC: the head size when it is known at compile
 // time (the sums then stay in registers), else 0.
-template <int DC>
+template <class I, int DC>
 QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, std::vector<float>& buf) {
   const int span = j.nblk * j.bs, rep = r1 - r0, D = DC ? DC : j.D;
   const bool q8 = j.keys8 != nullptr;
@@ -191,19 +195,23 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
   for (int t = 0; t < j.nblk; ++t) {
     const size_t first = ((size_t)table[t] * j.kvh + g) * j.bs;  // the block's first row
     const float* kb = q8 ? rows : j.keys + first * D;
+    const bool* mb = m ? m + t * j.bs : nullptr;
+    bool shown = !mb;
+    for (int p = 0; !shown && p < j.bs; ++p) shown = mb[p];
     if (q8)  // the block's keys that some position shows, dequantized
       for (int p = 0; p < j.bs; ++p)
-        if (!m || m[t * j.bs + p]) dequant_q8_row(j.keys8 + (first + p) * rb, D, rows + (size_t)p * D);
+        if (!mb || mb[p]) dequant_q8_row(j.keys8 + (first + p) * rb, D, rows + (size_t)p * D);
+    float* s = buf.data() + t * j.bs;
+    // every key's score (a masked one's is not read: its row may be stale where q8), then the mask
+    if (shown) KeyScores<I, DC>::run(q, rep, D, kb, j.bs, s, span);
     for (int p = 0; p < j.bs; ++p) {
-      const int at = t * j.bs + p;
-      const bool on = !m || m[at];
+      const bool on = !mb || mb[p];
       for (int r = 0; r < rep; ++r) {
-        float v = ninf;
-        if (on) {
-          v = dot(q + r * D, kb + (size_t)p * D, D);
-          if (j.softcap != 0.0f) v = std::tanh(v / j.softcap) * j.softcap;
-        }
-        buf[(size_t)r * span + at] = v;
+        float& v = s[(size_t)r * span + p];
+        if (!on)
+          v = ninf;
+        else if (j.softcap != 0.0f)
+          v = std::tanh(v / j.softcap) * j.softcap;
       }
     }
   }
@@ -241,6 +249,7 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
 // Units [u0, u1) of an attention job of `split` units a K/V head: unit u is row u / (kvh split),
 // K/V head (u / split) mod kvh, and the split-th part of that head's query heads (split divides
 // H / kvh; 1: all of them together).
+template <class I>
 QK_INLINE void attend_units_body(const AttendJob& j, int split, int u0, int u1) {
   thread_local std::vector<float> s;
   const int per = j.H / j.kvh / split;
@@ -248,16 +257,17 @@ QK_INLINE void attend_units_body(const AttendJob& j, int split, int u0, int u1) 
     const int part = u % split, g = (u / split) % j.kvh, b = u / split / j.kvh;
     const int r0 = part * per, r1 = r0 + per;
     switch (j.D) {
-      case 64: attend_heads<64>(j, b, g, r0, r1, s); break;
-      case 128: attend_heads<128>(j, b, g, r0, r1, s); break;
-      case 256: attend_heads<256>(j, b, g, r0, r1, s); break;
-      default: attend_heads<0>(j, b, g, r0, r1, s);
+      case 64: attend_heads<I, 64>(j, b, g, r0, r1, s); break;
+      case 128: attend_heads<I, 128>(j, b, g, r0, r1, s); break;
+      case 256: attend_heads<I, 256>(j, b, g, r0, r1, s); break;
+      default: attend_heads<I, 0>(j, b, g, r0, r1, s);
     }
   }
 }
 
 // Rows [b0, b1), each K/V head's query heads together
-QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) { attend_units_body(j, 1, b0 * j.kvh, b1 * j.kvh); }
+template <class I>
+QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) { attend_units_body<I>(j, 1, b0 * j.kvh, b1 * j.kvh); }
 
 // The gated activations of the MLP on rows of [gate | up] (each n wide) into y [rows, n]:
 // silu(g) * u = (g / (1 + e^-g)) * u, or gelu_tanh(g) * u = sigmoid(2a) * g * u with

@@ -1,0 +1,130 @@
+// The dot product of decode attention's scores (and RMSNorm's sum of squares), and the scores of a
+// block of keys against a K/V head's query heads, per instruction set.
+//
+// dot() is the contract: 16 lanes (lane l takes i = l mod 16), each product rounded and then added
+// (the extension is compiled with -ffp-contract=off), then a fixed tree of the lanes (lane l plus
+// lane l + 8, then + 4, + 2, + 1), then the tail past the last 16 in order.  KeyScores<I, DC> gives
+// every key's dot() bit for bit, but the vector ones take 16 keys (8 with AVX2) at a time: each
+// key's 16 lanes are formed by the same multiplies and adds in the same order, and the 16 keys'
+// trees then run together, transposed, one register at a time, so that each add of the tree is the
+// same add (a lane and the lane w above it, in that order) for 16 keys at once.  The tree costs
+// 15 adds and 30 shuffles for 16 keys instead of 4 adds and 4 shuffles each, and the keys' sums
+// do not wait on one another.  Head sizes that are not a multiple of 16, and the last keys of a
+// block short of 16 (8), go through dot() key by key.
+#pragma once
+
+#include <cstddef>
+
+#include "simd.h"
+
+namespace qk {
+
+#define QK_INLINE inline __attribute__((always_inline))
+
+// A sum of n products in 16 lanes (lane l takes i = l mod 16), then a fixed tree; the tail in order.
+QK_INLINE float dot(const float* a, const float* b, int n) {
+  float acc[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  float s = acc[0];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// out[r * stride + p] = dot(q + r * D, k + p * D, D) for the rep query heads r and the n keys p
+// (rows D floats apart); DC: D when known at compile time, else 0.  The plain loop: key by key.
+template <class I, int DC>
+struct KeyScores {
+  static QK_INLINE void run(const float* q, int rep, int D, const float* k, int n, float* out, size_t stride) {
+    for (int p = 0; p < n; ++p)
+      for (int r = 0; r < rep; ++r) out[r * stride + p] = dot(q + (size_t)r * D, k + (size_t)p * D, D);
+  }
+};
+
+#ifdef QK_X86
+// The trees of 16 keys' lanes a[0..15] at once: lane i of the result is dot()'s tree of the key in
+// a[(i % 4) * 4 + i / 4].  Each step adds a register of the lanes l (below w) to one of the lanes
+// l + w, for two keys' halves (then four keys' quarters, ...) side by side.
+QK_AVX512_TARGET QK_INL __m512 trees16(const __m512* a) {
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)  // w = 8: [a lanes 0-7 | b lanes 0-7] + [a 8-15 | b 8-15]
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // w = 4: four keys' lanes 0-3 + their lanes 4-7
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // w = 2, within each 128 bits: lanes 0-1 + lanes 2-3 of two keys
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));  // w = 1
+}
+
+template <int DC>
+struct KeyScores<Avx512, DC> {
+  static QK_AVX512_TARGET void run(const float* q, int rep, int D, const float* k, int n, float* out, size_t stride) {
+    if constexpr (DC % 16 != 0) return KeyScores<Portable, DC>::run(q, rep, D, k, n, out, stride);
+    if (DC == 0 && D % 16 != 0) return KeyScores<Portable, DC>::run(q, rep, D, k, n, out, stride);
+    const int Dv = DC ? DC : D;
+    int p = 0;
+    for (; p + 16 <= n; p += 16) {
+      const float* kp = k + (size_t)p * Dv;
+      for (int r = 0; r < rep; ++r) {
+        const float* qr = q + (size_t)r * Dv;
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int c = 0; c < Dv; c += 16) {
+          const __m512 qv = _mm512_loadu_ps(qr + c);
+          for (int i = 0; i < 16; ++i)  // slot i holds key (i % 4) * 4 + i / 4: the trees leave key i in lane i
+            acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(qv, _mm512_loadu_ps(kp + (size_t)((i & 3) * 4 + (i >> 2)) * Dv + c)));
+        }
+        _mm512_storeu_ps(out + r * stride + p, trees16(acc));
+      }
+    }
+    if (p < n) KeyScores<Portable, DC>::run(q, rep, D, k + (size_t)p * Dv, n - p, out + p, stride);
+  }
+};
+
+// The trees of 8 keys whose lanes l and l + 8 are already added (dot()'s w = 8 step), 8 lanes each:
+// lane i of the result is the rest of the tree of a[j], j = 0, 2, 4, 6, 1, 3, 5, 7 for i = 0 .. 7.
+QK_AVX2_TARGET QK_INL __m256 trees8(const __m256* a) {
+  __m256 s[4], t[2];
+  for (int i = 0; i < 4; ++i)  // w = 4: [a lanes 0-3 | b lanes 0-3] + [a 4-7 | b 4-7]
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // w = 2, within each 128 bits
+    t[i] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm256_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88), _mm256_shuffle_ps(t[0], t[1], 0xDD));  // w = 1
+}
+
+template <int DC>
+struct KeyScores<Avx2, DC> {
+  static QK_AVX2_TARGET void run(const float* q, int rep, int D, const float* k, int n, float* out, size_t stride) {
+    if constexpr (DC % 16 != 0) return KeyScores<Portable, DC>::run(q, rep, D, k, n, out, stride);
+    if (DC == 0 && D % 16 != 0) return KeyScores<Portable, DC>::run(q, rep, D, k, n, out, stride);
+    const int Dv = DC ? DC : D;
+    int p = 0;
+    for (; p + 8 <= n; p += 8) {
+      const float* kp = k + (size_t)p * Dv;
+      for (int r = 0; r < rep; ++r) {
+        const float* qr = q + (size_t)r * Dv;
+        __m256 part[8];
+        for (int i = 0; i < 8; ++i) {  // slot i holds key (i % 2) * 4 + i / 2
+          const float* kk = kp + (size_t)((i & 1) * 4 + (i >> 1)) * Dv;
+          __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7 and 8-15
+          for (int c = 0; c < Dv; c += 16) {
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(qr + c), _mm256_loadu_ps(kk + c)));
+            hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(qr + c + 8), _mm256_loadu_ps(kk + c + 8)));
+          }
+          part[i] = _mm256_add_ps(lo, hi);
+        }
+        _mm256_storeu_ps(out + r * stride + p, trees8(part));
+      }
+    }
+    if (p < n) KeyScores<Portable, DC>::run(q, rep, D, k + (size_t)p * Dv, n - p, out + p, stride);
+  }
+};
+#endif  // QK_X86
+
+}  // namespace qk
