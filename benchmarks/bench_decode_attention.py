@@ -4,8 +4,9 @@ time per row, and, against another build of the extension, bit-for-bit agreement
 Each form is one call over pool blocks of ``--block`` tokens for ``--rows`` rows at a span (the
 row's K/V length, ``--spans``) with a per-row mask as a verify step has it (row i of R sees all but
 the last R - 1 - i positions), in float32 pools and in q8_0 pools; SmolLM2-135M's shape by default
-(9 query heads, 3 K/V heads, head size 64), ``--layers`` calls making a step's worth.  Printed:
-microseconds per row per layer and milliseconds per row for the layers, medians over ``--repeats``.
+(9 query heads, 3 K/V heads, head size 64), ``--layers`` calls in one evaluation making a step's
+worth (each call one node, as in a step).  Printed: microseconds per row per layer and milliseconds
+per row for the layers, medians over ``--repeats``.
 
 ``--baseline PATH``: another build of the extension (a ``_qkernel*.so``, e.g. one built from an
 earlier commit into a temporary folder) loaded beside this checkout's.  First every random case of
@@ -129,8 +130,7 @@ def time_forms(modules, args) -> None:
             order = modules if r % 2 == 0 else modules[::-1]
             for name, module in order:
                 t0 = time.perf_counter()
-                for _ in range(calls):
-                    mx.eval(module.paged_decode_attention(*a, scale))
+                mx.eval([module.paged_decode_attention(*a, scale) for _ in range(calls)])
                 per[name].append((time.perf_counter() - t0) / calls)
         line = f"{'q8_0' if q8 else 'float32':>7} {span:>5} {rows:>4}"
         for name, _ in modules:

@@ -21,7 +21,7 @@
 #include <limits>
 #include <vector>
 
-#include "attend_scores.h"
+#include "attend_simd.h"
 #include "qkernels.h"
 
 namespace qk {
@@ -122,45 +122,31 @@ QK_INLINE bool softmax_weights(float* s, int span) {
   return true;
 }
 
-// The weighted sums of values of the rep heads h0 .. of row b, K/V head g, over q8_0 pools, from
-// their weights (rep rows of span in `scores`, from softmax_weights; live: whether a head has any):
-// a block's rows that some head weighs are dequantized once for all the heads (into `rows`,
-// bs * D floats), and each head's sum runs over positions in order, as the float loop's does.
-template <int DC>
-QK_INLINE void attend_values_q8(const AttendJob& j, int b, int g, int h0, int rep, const int32_t* table,
-                                const float* scores, const uint8_t* live, float* rows, float* acc, float* sums) {
+// The weighted sums of values of the rep heads h0 .. of row b, K/V head g, from their weights (rep
+// rows of span in `scores`, from softmax_weights; live: whether a head has any), a block at a time
+// (ValueSums), each head's over positions in order; out = sums / total, or zeros where not live.
+// q8_0 pools: a block's rows that some head weighs are dequantized once for all the heads (into
+// `rows`, bs * D floats).
+template <class I, int DC>
+QK_INLINE void attend_values(const AttendJob& j, int b, int g, int h0, int rep, const int32_t* table,
+                             const float* scores, const uint8_t* live, float* rows, float* acc, float* sums) {
   const int span = j.nblk * j.bs, D = DC ? DC : j.D;
-  const size_t rb = q8_row_bytes(D);
+  const bool q8 = j.values8 != nullptr;
+  const size_t rb = q8 ? q8_row_bytes(D) : 0;
   for (int r = 0; r < rep; ++r) {
     sums[r] = 0.0f;
     for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = 0.0f;
   }
   for (int t = 0; t < j.nblk; ++t) {
-    const uint8_t* vb = j.values8 + (((size_t)table[t] * j.kvh + g) * j.bs) * rb;
-    for (int p = 0; p < j.bs; ++p) {
-      bool used = false;
-      for (int r = 0; r < rep; ++r) used |= live[r] && scores[(size_t)r * span + t * j.bs + p] != 0.0f;
-      if (used) dequant_q8_row(vb + (size_t)p * rb, D, rows + (size_t)p * D);
-    }
-    for (int r = 0; r < rep; ++r) {
-      if (!live[r]) continue;
-      const float* s = scores + (size_t)r * span + t * j.bs;
-      float reg[DC ? DC : 1];
-      float* a = DC ? reg : acc + (size_t)r * D;
-      if (DC)
-        for (int d = 0; d < D; ++d) a[d] = acc[(size_t)r * D + d];
-      float sum = sums[r];
+    const size_t first = ((size_t)table[t] * j.kvh + g) * j.bs;  // the block's first row
+    const float* vb = q8 ? rows : j.values + first * D;
+    if (q8)
       for (int p = 0; p < j.bs; ++p) {
-        const float e = s[p];
-        if (e == 0.0f) continue;
-        sum += e;
-        const float* v = rows + (size_t)p * D;
-        for (int d = 0; d < D; ++d) a[d] += e * v[d];
+        bool used = false;
+        for (int r = 0; r < rep; ++r) used |= live[r] && scores[(size_t)r * span + t * j.bs + p] != 0.0f;
+        if (used) dequant_q8_row(j.values8 + (first + p) * rb, D, rows + (size_t)p * D);
       }
-      sums[r] = sum;
-      if (DC)
-        for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = a[d];
-    }
+    ValueSums<I, DC>::run(scores + t * j.bs, span, rep, live, vb, j.bs, D, acc, sums);
   }
   for (int r = 0; r < rep; ++r) {
     float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
@@ -173,17 +159,20 @@ QK_INLINE void attend_values_q8(const AttendJob& j, int b, int g, int h0, int re
 // soft-capped where asked; e = exp(s - max); out = (sum over positions in order of e_j * v_j) / sum
 // of e_j, positions with e_j = 0 skipped (a masked or underflowed position adds nothing).  A head's
 // values are the same whichever heads it goes with.  DC: the head size when it is known at compile
-// time (the sums then stay in registers), else 0.
+// time (the sums then stay in registers), else 0; I: the instruction set of the inner loops.
 template <class I, int DC>
 QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, std::vector<float>& buf) {
   const int span = j.nblk * j.bs, rep = r1 - r0, D = DC ? DC : j.D;
   const bool q8 = j.keys8 != nullptr;
   const size_t rb = q8 ? q8_row_bytes(D) : 0;
-  // q8_0: then a block's rows dequantized [bs, D], the heads' sums [rep, D] and totals [rep], live [rep]
-  buf.resize((size_t)rep * (span + D) + D + (q8 ? (size_t)j.bs * D + (size_t)rep * (D + 2) : 0));
-  float* q = buf.data() + (size_t)rep * span;  // [rep, D]: the heads' scaled queries
-  float* acc = q + (size_t)rep * D;             // [D]: a head's weighted sum of values (DC = 0)
-  float* rows = acc + D;
+  // scores [rep, span], queries [rep, D], sums [rep, D], totals [rep], live [rep] (bytes, in floats'
+  // room), and where q8_0 a block's rows dequantized [bs, D]
+  buf.resize((size_t)rep * (span + 2 * D + 2) + (q8 ? (size_t)j.bs * D : 0));
+  float* q = buf.data() + (size_t)rep * span;  // the heads' scaled queries
+  float* acc = q + (size_t)rep * D;
+  float* sums = acc + (size_t)rep * D;
+  uint8_t* live = reinterpret_cast<uint8_t*>(sums + rep);
+  float* rows = sums + 2 * rep;
   const bool* m = j.mask ? j.mask + (j.mask_per_row ? (size_t)b * span : 0) : nullptr;
   const int32_t* table = j.tables + (size_t)b * j.nblk;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -215,35 +204,8 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
       }
     }
   }
-  if (q8) {
-    float* sums = rows + (size_t)j.bs * D + (size_t)rep * D;
-    uint8_t* live = reinterpret_cast<uint8_t*>(sums + rep);  // rep bytes in the last rep floats
-    for (int r = 0; r < rep; ++r) live[r] = softmax_weights(buf.data() + (size_t)r * span, span);
-    return attend_values_q8<DC>(j, b, g, h0, rep, table, buf.data(), live, rows, rows + (size_t)j.bs * D, sums);
-  }
-  for (int r = 0; r < rep; ++r) {
-    float* s = buf.data() + (size_t)r * span;
-    float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
-    if (!softmax_weights(s, span)) {  // nothing to attend: zeros
-      for (int d = 0; d < D; ++d) o[d] = 0.0f;
-      continue;
-    }
-    float sum = 0.0f;
-    float reg[DC ? DC : 1];
-    float* a = DC ? reg : acc;
-    for (int d = 0; d < D; ++d) a[d] = 0.0f;
-    for (int t = 0; t < j.nblk; ++t) {
-      const float* vb = j.values + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
-      for (int p = 0; p < j.bs; ++p) {
-        const float e = s[t * j.bs + p];
-        if (e == 0.0f) continue;
-        sum += e;
-        const float* v = vb + (size_t)p * D;
-        for (int d = 0; d < D; ++d) a[d] += e * v[d];
-      }
-    }
-    for (int d = 0; d < D; ++d) o[d] = a[d] / sum;
-  }
+  for (int r = 0; r < rep; ++r) live[r] = softmax_weights(buf.data() + (size_t)r * span, span);
+  attend_values<I, DC>(j, b, g, h0, rep, table, buf.data(), live, rows, acc, sums);
 }
 
 // Units [u0, u1) of an attention job of `split` units a K/V head: unit u is row u / (kvh split),

@@ -1,5 +1,6 @@
-// The dot product of decode attention's scores (and RMSNorm's sum of squares), and the scores of a
-// block of keys against a K/V head's query heads, per instruction set.
+// Decode attention's inner loops per instruction set (decode_ops.h's attend_heads calls them a
+// block of keys or values at a time): the scores of a block of keys against a K/V head's query
+// heads, and the heads' weighted sums of a block of values.  dot() also serves RMSNorm.
 //
 // dot() is the contract: 16 lanes (lane l takes i = l mod 16), each product rounded and then added
 // (the extension is compiled with -ffp-contract=off), then a fixed tree of the lanes (lane l plus
@@ -11,9 +12,16 @@
 // 15 adds and 30 shuffles for 16 keys instead of 4 adds and 4 shuffles each, and the keys' sums
 // do not wait on one another.  Head sizes that are not a multiple of 16, and the last keys of a
 // block short of 16 (8), go through dot() key by key.
+//
+// ValueSums<I, DC> adds a block of values to the heads' weighted sums: for each head, position by
+// position in order, a weight e that is not 0 adds e to the head's total and e * v (each product
+// rounded, then added) to its sums.  The vector form takes up to 4 heads at once (as many as 16
+// registers of sums hold), each value row read once for all of them; a head's adds are the same,
+// in the same order, whichever heads it goes with.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "simd.h"
 
@@ -41,6 +49,33 @@ struct KeyScores {
   static QK_INLINE void run(const float* q, int rep, int D, const float* k, int n, float* out, size_t stride) {
     for (int p = 0; p < n; ++p)
       for (int r = 0; r < rep; ++r) out[r * stride + p] = dot(q + (size_t)r * D, k + (size_t)p * D, D);
+  }
+};
+
+// Adds the block's n value rows v (D floats apart) to the sums acc [rep, D] and totals of the heads
+// r whose `live` is set, with their weights s[r * stride + p] (0: the position adds nothing).
+template <class I, int DC>
+struct ValueSums {
+  static QK_INLINE void run(const float* s, size_t stride, int rep, const uint8_t* live, const float* v, int n, int D,
+                            float* acc, float* sums) {
+    for (int r = 0; r < rep; ++r) {
+      if (!live[r]) continue;
+      float reg[DC ? DC : 1];  // a known head size: the sums in registers
+      float* a = DC ? reg : acc + (size_t)r * D;
+      if (DC)
+        for (int d = 0; d < D; ++d) a[d] = acc[(size_t)r * D + d];
+      float sum = sums[r];
+      for (int p = 0; p < n; ++p) {
+        const float e = s[r * stride + p];
+        if (e == 0.0f) continue;
+        sum += e;
+        const float* vp = v + (size_t)p * D;
+        for (int d = 0; d < D; ++d) a[d] += e * vp[d];
+      }
+      sums[r] = sum;
+      if (DC)
+        for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = a[d];
+    }
   }
 };
 
@@ -83,6 +118,65 @@ struct KeyScores<Avx512, DC> {
       }
     }
     if (p < n) KeyScores<Portable, DC>::run(q, rep, D, k + (size_t)p * Dv, n - p, out + p, stride);
+  }
+};
+
+// G heads' sums (C registers each) over the block, each value row loaded once for them all
+template <int G, int C>
+QK_AVX512_TARGET QK_INL void value_sums16(const float* s, size_t stride, const float* v, int n, float* acc,
+                                          float* sums) {
+  constexpr int D = 16 * C;
+  __m512 a[G][C];
+  float sum[G];
+  for (int g = 0; g < G; ++g) {
+    sum[g] = sums[g];
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  }
+  for (int p = 0; p < n; ++p) {
+    __m512 vp[C];
+    for (int c = 0; c < C; ++c) vp[c] = _mm512_loadu_ps(v + (size_t)p * D + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const float e = s[g * stride + p];
+      if (e == 0.0f) continue;
+      sum[g] += e;
+      const __m512 ev = _mm512_set1_ps(e);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_add_ps(a[g][c], _mm512_mul_ps(ev, vp[c]));
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    sums[g] = sum[g];
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+  }
+}
+
+template <int DC>
+struct ValueSums<Avx512, DC> {
+  static QK_AVX512_TARGET void run(const float* s, size_t stride, int rep, const uint8_t* live, const float* v, int n,
+                                   int D, float* acc, float* sums) {
+    if constexpr (DC == 0 || DC % 16 != 0 || DC > 256) {
+      return ValueSums<Portable, DC>::run(s, stride, rep, live, v, n, D, acc, sums);
+    } else {
+      constexpr int C = DC / 16, G = C <= 4 ? 4 : 16 / C;  // at most 16 registers of sums
+      int r = 0;
+      while (r < rep) {
+        if (!live[r]) {
+          ++r;
+          continue;
+        }
+        int g = 1;  // the live heads from r on, up to G
+        while (g < G && r + g < rep && live[r + g]) ++g;
+        const float* sr = s + r * stride;
+        float* ar = acc + (size_t)r * DC;
+        if (g == 1) value_sums16<1, C>(sr, stride, v, n, ar, sums + r);
+        if constexpr (G >= 2)
+          if (g == 2) value_sums16<2, C>(sr, stride, v, n, ar, sums + r);
+        if constexpr (G >= 3)
+          if (g == 3) value_sums16<3, C>(sr, stride, v, n, ar, sums + r);
+        if constexpr (G >= 4)
+          if (g == 4) value_sums16<4, C>(sr, stride, v, n, ar, sums + r);
+        r += g;
+      }
+    }
   }
 };
 
