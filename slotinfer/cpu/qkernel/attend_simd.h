@@ -18,6 +18,8 @@
 // rounded, then added) to its sums.  The vector form takes up to 4 heads at once (as many as 16
 // registers of sums hold), each value row read once for all of them; a head's adds are the same,
 // in the same order, whichever heads it goes with.
+//
+// DequantRows<I> turns a block's q8_0 rows into floats, d * q (one rounding), the rows asked for.
 #pragma once
 
 #include <cstddef>
@@ -41,6 +43,30 @@ QK_INLINE float dot(const float* a, const float* b, int n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+// A row of D values (D a multiple of 32) from its q8_0 blocks: d * q
+QK_INLINE void dequant_q8_row(const uint8_t* src, int D, float* dst) {
+  for (int c = 0; c < D / 32; ++c) {
+    const uint8_t* blk = src + (size_t)c * 34;
+    const float d = half_to_float(blk);
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int i = 0; i < 32; ++i) dst[c * 32 + i] = d * (float)q[i];
+  }
+}
+
+// Bytes of a row of D values in q8_0 blocks
+inline int q8_row_bytes(int D) { return D / 32 * 34; }
+
+// The rows p < n of a block of q8_0 rows (src, q8_row_bytes(D) apart) whose need[p] is set (need
+// null: every row) into dst [n, D] floats; the others left as they were.
+template <class I>
+struct DequantRows {
+  static QK_INLINE void run(const uint8_t* src, int n, int D, const uint8_t* need, float* dst) {
+    const size_t rb = q8_row_bytes(D);
+    for (int p = 0; p < n; ++p)
+      if (!need || need[p]) dequant_q8_row(src + p * rb, D, dst + (size_t)p * D);
+  }
+};
 
 // out[r * stride + p] = dot(q + r * D, k + p * D, D) for the rep query heads r and the n keys p
 // (rows D floats apart); DC: D when known at compile time, else 0.  The plain loop: key by key.
@@ -180,6 +206,26 @@ struct ValueSums<Avx512, DC> {
   }
 };
 
+template <>
+struct DequantRows<Avx512> {
+  static QK_AVX512_TARGET void run(const uint8_t* src, int n, int D, const uint8_t* need, float* dst) {
+    const size_t rb = q8_row_bytes(D);
+    for (int p = 0; p < n; ++p) {
+      if (need && !need[p]) continue;
+      const uint8_t* row = src + p * rb;
+      float* out = dst + (size_t)p * D;
+      for (int c = 0; c < D / 32; ++c) {
+        const uint8_t* blk = row + (size_t)c * 34;
+        const __m512 d = _mm512_set1_ps(half_to_float(blk));
+        for (int s = 0; s < 2; ++s) {
+          const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * s));
+          _mm512_storeu_ps(out + 32 * c + 16 * s, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+        }
+      }
+    }
+  }
+};
+
 // The trees of 8 keys whose lanes l and l + 8 are already added (dot()'s w = 8 step), 8 lanes each:
 // lane i of the result is the rest of the tree of a[j], j = 0, 2, 4, 6, 1, 3, 5, 7 for i = 0 .. 7.
 QK_AVX2_TARGET QK_INL __m256 trees8(const __m256* a) {
@@ -217,6 +263,25 @@ struct KeyScores<Avx2, DC> {
       }
     }
     if (p < n) KeyScores<Portable, DC>::run(q, rep, D, k + (size_t)p * Dv, n - p, out + p, stride);
+  }
+};
+template <>
+struct DequantRows<Avx2> {
+  static QK_AVX2_TARGET void run(const uint8_t* src, int n, int D, const uint8_t* need, float* dst) {
+    const size_t rb = q8_row_bytes(D);
+    for (int p = 0; p < n; ++p) {
+      if (need && !need[p]) continue;
+      const uint8_t* row = src + p * rb;
+      float* out = dst + (size_t)p * D;
+      for (int c = 0; c < D / 32; ++c) {
+        const uint8_t* blk = row + (size_t)c * 34;
+        const __m256 d = _mm256_set1_ps(half_to_float(blk));
+        for (int s = 0; s < 4; ++s) {
+          const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * s));
+          _mm256_storeu_ps(out + 32 * c + 8 * s, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+        }
+      }
+    }
   }
 };
 #endif  // QK_X86

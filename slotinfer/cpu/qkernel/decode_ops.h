@@ -64,19 +64,6 @@ QK_INLINE float exp_horner(float x) {
   return (p * (r * r) + r + 1.0f) * two_k;
 }
 
-// A row of D values (D a multiple of 32) from its q8_0 blocks: d * q
-QK_INLINE void dequant_q8_row(const uint8_t* src, int D, float* dst) {
-  for (int c = 0; c < D / 32; ++c) {
-    const uint8_t* blk = src + (size_t)c * 34;
-    const float d = half_to_float(blk);
-    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-    for (int i = 0; i < 32; ++i) dst[c * 32 + i] = d * (float)q[i];
-  }
-}
-
-// Bytes of a row of D values in q8_0 blocks
-inline int q8_row_bytes(int D) { return D / 32 * 34; }
-
 struct AttendJob {
   const float* q;          // [B, H, D], rows q_stride floats apart
   int64_t q_stride;        // 0: H * D
@@ -126,10 +113,11 @@ QK_INLINE bool softmax_weights(float* s, int span) {
 // rows of span in `scores`, from softmax_weights; live: whether a head has any), a block at a time
 // (ValueSums), each head's over positions in order; out = sums / total, or zeros where not live.
 // q8_0 pools: a block's rows that some head weighs are dequantized once for all the heads (into
-// `rows`, bs * D floats).
+// `rows`, bs * D floats; need: bs bytes).
 template <class I, int DC>
 QK_INLINE void attend_values(const AttendJob& j, int b, int g, int h0, int rep, const int32_t* table,
-                             const float* scores, const uint8_t* live, float* rows, float* acc, float* sums) {
+                             const float* scores, const uint8_t* live, float* rows, uint8_t* need, float* acc,
+                             float* sums) {
   const int span = j.nblk * j.bs, D = DC ? DC : j.D;
   const bool q8 = j.values8 != nullptr;
   const size_t rb = q8 ? q8_row_bytes(D) : 0;
@@ -140,12 +128,14 @@ QK_INLINE void attend_values(const AttendJob& j, int b, int g, int h0, int rep, 
   for (int t = 0; t < j.nblk; ++t) {
     const size_t first = ((size_t)table[t] * j.kvh + g) * j.bs;  // the block's first row
     const float* vb = q8 ? rows : j.values + first * D;
-    if (q8)
+    if (q8) {  // the block's values that some head weighs, dequantized
       for (int p = 0; p < j.bs; ++p) {
         bool used = false;
         for (int r = 0; r < rep; ++r) used |= live[r] && scores[(size_t)r * span + t * j.bs + p] != 0.0f;
-        if (used) dequant_q8_row(j.values8 + (first + p) * rb, D, rows + (size_t)p * D);
+        need[p] = used;
       }
+      DequantRows<I>::run(j.values8 + first * rb, j.bs, D, need, rows);
+    }
     ValueSums<I, DC>::run(scores + t * j.bs, span, rep, live, vb, j.bs, D, acc, sums);
   }
   for (int r = 0; r < rep; ++r) {
@@ -166,8 +156,8 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
   const bool q8 = j.keys8 != nullptr;
   const size_t rb = q8 ? q8_row_bytes(D) : 0;
   // scores [rep, span], queries [rep, D], sums [rep, D], totals [rep], live [rep] (bytes, in floats'
-  // room), and where q8_0 a block's rows dequantized [bs, D]
-  buf.resize((size_t)rep * (span + 2 * D + 2) + (q8 ? (size_t)j.bs * D : 0));
+  // room), and where q8_0 a block's rows dequantized [bs, D] and which of them are needed [bs] (bytes)
+  buf.resize((size_t)rep * (span + 2 * D + 2) + (q8 ? (size_t)j.bs * (D + 1) : 0));
   float* q = buf.data() + (size_t)rep * span;  // the heads' scaled queries
   float* acc = q + (size_t)rep * D;
   float* sums = acc + (size_t)rep * D;
@@ -187,9 +177,8 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
     const bool* mb = m ? m + t * j.bs : nullptr;
     bool shown = !mb;
     for (int p = 0; !shown && p < j.bs; ++p) shown = mb[p];
-    if (q8)  // the block's keys that some position shows, dequantized
-      for (int p = 0; p < j.bs; ++p)
-        if (!mb || mb[p]) dequant_q8_row(j.keys8 + (first + p) * rb, D, rows + (size_t)p * D);
+    if (q8 && shown)  // the block's keys that some position shows, dequantized
+      DequantRows<I>::run(j.keys8 + first * rb, j.bs, D, reinterpret_cast<const uint8_t*>(mb), rows);
     float* s = buf.data() + t * j.bs;
     // every key's score (a masked one's is not read: its row may be stale where q8), then the mask
     if (shown) KeyScores<I, DC>::run(q, rep, D, kb, j.bs, s, span);
@@ -205,7 +194,8 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
     }
   }
   for (int r = 0; r < rep; ++r) live[r] = softmax_weights(buf.data() + (size_t)r * span, span);
-  attend_values<I, DC>(j, b, g, h0, rep, table, buf.data(), live, rows, acc, sums);
+  uint8_t* need = reinterpret_cast<uint8_t*>(rows + (size_t)j.bs * D);
+  attend_values<I, DC>(j, b, g, h0, rep, table, buf.data(), live, rows, need, acc, sums);
 }
 
 // Units [u0, u1) of an attention job of `split` units a K/V head: unit u is row u / (kvh split),
