@@ -175,13 +175,18 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
     const size_t first = ((size_t)table[t] * j.kvh + g) * j.bs;  // the block's first row
     const float* kb = q8 ? rows : j.keys + first * D;
     const bool* mb = m ? m + t * j.bs : nullptr;
-    bool shown = !mb;
-    for (int p = 0; !shown && p < j.bs; ++p) shown = mb[p];
-    if (q8 && shown)  // the block's keys that some position shows, dequantized
-      DequantRows<I>::run(j.keys8 + first * rb, j.bs, D, reinterpret_cast<const uint8_t*>(mb), rows);
+    int lo = 0, hi = j.bs;  // the block's positions from the first shown to the last
+    if (mb) {
+      while (lo < hi && !mb[lo]) ++lo;
+      while (hi > lo && !mb[hi - 1]) --hi;
+    }
+    if (q8 && lo < hi)  // the block's keys that some position shows, dequantized
+      DequantRows<I>::run(j.keys8 + (first + lo) * rb, hi - lo, D, reinterpret_cast<const uint8_t*>(mb ? mb + lo : mb),
+                          rows + (size_t)lo * D);
     float* s = buf.data() + t * j.bs;
-    // every key's score (a masked one's is not read: its row may be stale where q8), then the mask
-    if (shown) KeyScores<I, DC>::run(q, rep, D, kb, j.bs, s, span);
+    // the scores of the keys from the first shown to the last (a masked one's is not read: its row
+    // may be stale where q8), then the mask
+    if (lo < hi) KeyScores<I, DC>::run(q, rep, D, kb + (size_t)lo * D, hi - lo, s + lo, span);
     for (int p = 0; p < j.bs; ++p) {
       const bool on = !mb || mb[p];
       for (int r = 0; r < rep; ++r) {
