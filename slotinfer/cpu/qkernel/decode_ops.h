@@ -7,11 +7,15 @@
 // result for a row alone as in any batch.  The bodies are plain C++ written so the compiler
 // vectorizes them (lane arrays instead of reductions, no libm calls in the loops); kernels.h
 // compiles them once per instruction set, as it does the products, and runs the one qk::isa() names.
+// Attention's inner loops (a block's scores, its values' weighted sums, its q8_0 rows) are
+// attend_simd.h's, written with each instruction set's intrinsics where it has them, and adding
+// exactly what the plain loops add, in their order: the same bits in every loop set.
 //
 // K/V in q8_0 blocks (slotinfer/kv/quant.py: per 32 values of a token's head vector, a float16 scale
-// d and 32 int8 q, the value d * q) are read a row at a time: a key or value row is dequantized into
-// floats (d * q, one rounding) just before its dot product or weighted sum, which then run as over
-// float pools, so the result is bit for bit the float loops' over the dequantized pools.
+// d and 32 int8 q, the value d * q) are read a block at a time: the block's key or value rows that
+// are needed are dequantized into floats (d * q, one rounding) just before their dot products or
+// weighted sums, which then run as over float pools, so the result is bit for bit the float loops'
+// over the dequantized pools.
 #pragma once
 
 #include <algorithm>
@@ -189,12 +193,10 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
     if (lo < hi) KeyScores<I, DC>::run(q, rep, D, kb + (size_t)lo * D, hi - lo, s + lo, span);
     for (int p = 0; p < j.bs; ++p) {
       const bool on = !mb || mb[p];
+      if (on && j.softcap == 0.0f) continue;
       for (int r = 0; r < rep; ++r) {
         float& v = s[(size_t)r * span + p];
-        if (!on)
-          v = ninf;
-        else if (j.softcap != 0.0f)
-          v = std::tanh(v / j.softcap) * j.softcap;
+        v = on ? std::tanh(v / j.softcap) * j.softcap : ninf;
       }
     }
   }
