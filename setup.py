@@ -53,7 +53,7 @@ if sys.platform == "linux":
     # pool (pool.h), the primitives' base (rowwise.h) and the loops (kernels.h and what it includes)
     QKERNEL_SOURCES = [os.path.join(QKERNEL_DIR, f) for f in ("module.cpp", "primitives.cpp",
                                                                    "prefill_attention.cpp")]
-    QKERNEL_HEADERS = [os.path.join(QKERNEL_DIR, f) for f in ("decode_ops.h", "kernels.h", "kernels_i8.h", "loops.h", "loops_i8.h", "pool.h",
+    QKERNEL_HEADERS = [os.path.join(QKERNEL_DIR, f) for f in ("attend_simd.h", "decode_ops.h", "kernels.h", "kernels_i8.h", "loops.h", "loops_i8.h", "pool.h",
                                                                "prefill_attention.h", "prefill_loops.h", "primitives.h",
                                                                "qkernels.h", "rowwise.h", "simd.h")]
     ext_modules.append(Extension(QKERNEL, list(QKERNEL_SOURCES), language="c++", depends=QKERNEL_HEADERS,

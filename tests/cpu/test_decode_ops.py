@@ -17,6 +17,7 @@ import slotinfer  # noqa: F401 - first: the BLAS before mlx.core
 import mlx.core as mx
 from slotinfer.cpu import qkernel
 from slotinfer.cpu.ops import cpu_ops
+from slotinfer.kv.quant import quantize
 
 module = qkernel.load()
 pytestmark = pytest.mark.skipif(module is None, reason=f"the qkernel extension is {qkernel.status()}")
@@ -152,6 +153,31 @@ def test_paged_decode_attention_is_the_same_on_any_thread_count(kernels, threads
     i = int(np.argmax(lengths))
     nblk = -(-int(lengths[i]) // c["bs"])
     assert mx.array_equal(attend(many, slice(i, i + 1), nblk), attend(1, slice(i, i + 1), nblk)).item()
+
+
+@given(c=attention_cases(), d=st.sampled_from([16, 64, 80, 128, 256]), bs=st.sampled_from([5, 16, 23, 128]),
+       q8=st.booleans(), scale=st.sampled_from([0.125, 8.0]))
+def test_paged_decode_attention_is_the_same_bits_in_every_loop_set(c, d, bs, q8, scale):
+    """The vector loops (scores of 16 or 8 keys at once, their lane trees transposed; values of a few
+    heads at once; q8_0 rows dequantized in registers) add what the plain loop adds, in its order:
+    the same bits in every loop set, over float32 and q8_0 pools, with blocks whose last keys fall
+    short of a group and weights that underflow to 0 (scale 8)."""
+    c = dict(c, d=d, bs=bs)
+    q, keys, values, tables, mask, _ = pools(c)
+    pools_ = [mx.array(keys), mx.array(values)]
+    if q8 and d % 32 == 0:
+        pools_ = [quantize(p) for p in pools_]
+    args = (mx.array(q), *pools_, mx.array(tables), mx.array(mask)[:, None, None], scale, c["softcap"])
+    names = ["portable", "avx2", "avx512"]
+    got = {}
+    try:
+        for name in names[:names.index(module.best_kernels()) + 1]:
+            module.set_kernels(name)
+            got[name] = np.array(module.paged_decode_attention(*args))
+    finally:
+        module.set_kernels(module.best_kernels())
+    for name, out in got.items():
+        assert out.tobytes() == got["portable"].tobytes(), name
 
 
 def test_paged_decode_attention_reads_strided_queries():

@@ -7,11 +7,15 @@
 // result for a row alone as in any batch.  The bodies are plain C++ written so the compiler
 // vectorizes them (lane arrays instead of reductions, no libm calls in the loops); kernels.h
 // compiles them once per instruction set, as it does the products, and runs the one qk::isa() names.
+// Attention's inner loops (a block's scores, its values' weighted sums, its q8_0 rows) are
+// attend_simd.h's, written with each instruction set's intrinsics where it has them, and adding
+// exactly what the plain loops add, in their order: the same bits in every loop set.
 //
 // K/V in q8_0 blocks (slotinfer/kv/quant.py: per 32 values of a token's head vector, a float16 scale
-// d and 32 int8 q, the value d * q) are read a row at a time: a key or value row is dequantized into
-// floats (d * q, one rounding) just before its dot product or weighted sum, which then run as over
-// float pools, so the result is bit for bit the float loops' over the dequantized pools.
+// d and 32 int8 q, the value d * q) are read a block at a time: the block's key or value rows that
+// are needed are dequantized into floats (d * q, one rounding) just before their dot products or
+// weighted sums, which then run as over float pools, so the result is bit for bit the float loops'
+// over the dequantized pools.
 #pragma once
 
 #include <algorithm>
@@ -21,24 +25,10 @@
 #include <limits>
 #include <vector>
 
+#include "attend_simd.h"
 #include "qkernels.h"
 
 namespace qk {
-
-#define QK_INLINE inline __attribute__((always_inline))
-
-// A sum of n products in 16 lanes (lane l takes i = l mod 16), then a fixed tree; the tail in order.
-QK_INLINE float dot(const float* a, const float* b, int n) {
-  float acc[16] = {};
-  int i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-  float s = acc[0];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
 
 // e ** x as slotinfer.cpu.fastmath.exp computes it: x = k ln 2 + r, |r| <= ln 2 / 2, and 2^k from
 // the exponent bits (0 where 2^k would be 2^-126 or less, so -inf gives exactly 0).  The polynomial
@@ -78,19 +68,6 @@ QK_INLINE float exp_horner(float x) {
   return (p * (r * r) + r + 1.0f) * two_k;
 }
 
-// A row of D values (D a multiple of 32) from its q8_0 blocks: d * q
-QK_INLINE void dequant_q8_row(const uint8_t* src, int D, float* dst) {
-  for (int c = 0; c < D / 32; ++c) {
-    const uint8_t* blk = src + (size_t)c * 34;
-    const float d = half_to_float(blk);
-    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-    for (int i = 0; i < 32; ++i) dst[c * 32 + i] = d * (float)q[i];
-  }
-}
-
-// Bytes of a row of D values in q8_0 blocks
-inline int q8_row_bytes(int D) { return D / 32 * 34; }
-
 struct AttendJob {
   const float* q;          // [B, H, D], rows q_stride floats apart
   int64_t q_stride;        // 0: H * D
@@ -107,56 +84,63 @@ struct AttendJob {
   float softcap;           // 0: none
 };
 
+// The largest of n scores as a scan in order finds it (top = max(top, s_i) from -inf: a NaN is never
+// taken, and of equal scores the first stays), in 16 lanes so that it vectorizes: equal scores are
+// the same bits but for zeros, so a zero maximum is the first zero in order (its sign).
+QK_INLINE float scores_max(const float* s, int n) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float lanes[16];
+  for (int l = 0; l < 16; ++l) lanes[l] = ninf;
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] = std::max(lanes[l], s[i + l]);
+  float top = ninf;
+  for (int l = 0; l < 16; ++l) top = std::max(top, lanes[l]);
+  for (; i < n; ++i) top = std::max(top, s[i]);
+  if (top == 0.0f)
+    for (i = 0; i < n; ++i)
+      if (s[i] == 0.0f) return s[i];
+  return top;
+}
+
 // A head's scores s (span of them) to e = exp(s - max) in place; false where every score is -inf
 QK_INLINE bool softmax_weights(float* s, int span) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  float top = ninf;
-  for (int i = 0; i < span; ++i) top = std::max(top, s[i]);
+  const float top = scores_max(s, span);
   if (top == ninf) return false;
   for (int i = 0; i < span; ++i) s[i] -= top;
   exp_inplace(s, span);
   return true;
 }
 
-// The weighted sums of values of the rep heads h0 .. of row b, K/V head g, over q8_0 pools, from
-// their weights (rep rows of span in `scores`, from softmax_weights; live: whether a head has any):
-// a block's rows that some head weighs are dequantized once for all the heads (into `rows`,
-// bs * D floats), and each head's sum runs over positions in order, as the float loop's does.
-template <int DC>
-QK_INLINE void attend_values_q8(const AttendJob& j, int b, int g, int h0, int rep, const int32_t* table,
-                                const float* scores, const uint8_t* live, float* rows, float* acc, float* sums) {
+// The weighted sums of values of the rep heads h0 .. of row b, K/V head g, from their weights (rep
+// rows of span in `scores`, from softmax_weights; live: whether a head has any), a block at a time
+// (ValueSums), each head's over positions in order; out = sums / total, or zeros where not live.
+// q8_0 pools: a block's rows that some head weighs are dequantized once for all the heads (into
+// `rows`, bs * D floats; need: bs bytes).
+template <class I, int DC>
+QK_INLINE void attend_values(const AttendJob& j, int b, int g, int h0, int rep, const int32_t* table,
+                             const float* scores, const uint8_t* live, float* rows, uint8_t* need, float* acc,
+                             float* sums) {
   const int span = j.nblk * j.bs, D = DC ? DC : j.D;
-  const size_t rb = q8_row_bytes(D);
+  const bool q8 = j.values8 != nullptr;
+  const size_t rb = q8 ? q8_row_bytes(D) : 0;
   for (int r = 0; r < rep; ++r) {
     sums[r] = 0.0f;
     for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = 0.0f;
   }
   for (int t = 0; t < j.nblk; ++t) {
-    const uint8_t* vb = j.values8 + (((size_t)table[t] * j.kvh + g) * j.bs) * rb;
-    for (int p = 0; p < j.bs; ++p) {
-      bool used = false;
-      for (int r = 0; r < rep; ++r) used |= live[r] && scores[(size_t)r * span + t * j.bs + p] != 0.0f;
-      if (used) dequant_q8_row(vb + (size_t)p * rb, D, rows + (size_t)p * D);
-    }
-    for (int r = 0; r < rep; ++r) {
-      if (!live[r]) continue;
-      const float* s = scores + (size_t)r * span + t * j.bs;
-      float reg[DC ? DC : 1];
-      float* a = DC ? reg : acc + (size_t)r * D;
-      if (DC)
-        for (int d = 0; d < D; ++d) a[d] = acc[(size_t)r * D + d];
-      float sum = sums[r];
+    const size_t first = ((size_t)table[t] * j.kvh + g) * j.bs;  // the block's first row
+    const float* vb = q8 ? rows : j.values + first * D;
+    if (q8) {  // the block's values that some head weighs, dequantized
       for (int p = 0; p < j.bs; ++p) {
-        const float e = s[p];
-        if (e == 0.0f) continue;
-        sum += e;
-        const float* v = rows + (size_t)p * D;
-        for (int d = 0; d < D; ++d) a[d] += e * v[d];
+        bool used = false;
+        for (int r = 0; r < rep; ++r) used |= live[r] && scores[(size_t)r * span + t * j.bs + p] != 0.0f;
+        need[p] = used;
       }
-      sums[r] = sum;
-      if (DC)
-        for (int d = 0; d < D; ++d) acc[(size_t)r * D + d] = a[d];
+      DequantRows<I>::run(j.values8 + first * rb, j.bs, D, need, rows);
     }
+    ValueSums<I, DC>::run(scores + t * j.bs, span, rep, live, vb, j.bs, D, acc, sums);
   }
   for (int r = 0; r < rep; ++r) {
     float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
@@ -169,17 +153,20 @@ QK_INLINE void attend_values_q8(const AttendJob& j, int b, int g, int h0, int re
 // soft-capped where asked; e = exp(s - max); out = (sum over positions in order of e_j * v_j) / sum
 // of e_j, positions with e_j = 0 skipped (a masked or underflowed position adds nothing).  A head's
 // values are the same whichever heads it goes with.  DC: the head size when it is known at compile
-// time (the sums then stay in registers), else 0.
-template <int DC>
+// time (the sums then stay in registers), else 0; I: the instruction set of the inner loops.
+template <class I, int DC>
 QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, std::vector<float>& buf) {
   const int span = j.nblk * j.bs, rep = r1 - r0, D = DC ? DC : j.D;
   const bool q8 = j.keys8 != nullptr;
   const size_t rb = q8 ? q8_row_bytes(D) : 0;
-  // q8_0: then a block's rows dequantized [bs, D], the heads' sums [rep, D] and totals [rep], live [rep]
-  buf.resize((size_t)rep * (span + D) + D + (q8 ? (size_t)j.bs * D + (size_t)rep * (D + 2) : 0));
-  float* q = buf.data() + (size_t)rep * span;  // [rep, D]: the heads' scaled queries
-  float* acc = q + (size_t)rep * D;             // [D]: a head's weighted sum of values (DC = 0)
-  float* rows = acc + D;
+  // scores [rep, span], queries [rep, D], sums [rep, D], totals [rep], live [rep] (bytes, in floats'
+  // room), and where q8_0 a block's rows dequantized [bs, D] and which of them are needed [bs] (bytes)
+  buf.resize((size_t)rep * (span + 2 * D + 2) + (q8 ? (size_t)j.bs * (D + 1) : 0));
+  float* q = buf.data() + (size_t)rep * span;  // the heads' scaled queries
+  float* acc = q + (size_t)rep * D;
+  float* sums = acc + (size_t)rep * D;
+  uint8_t* live = reinterpret_cast<uint8_t*>(sums + rep);
+  float* rows = sums + 2 * rep;
   const bool* m = j.mask ? j.mask + (j.mask_per_row ? (size_t)b * span : 0) : nullptr;
   const int32_t* table = j.tables + (size_t)b * j.nblk;
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -191,56 +178,37 @@ QK_INLINE void attend_heads(const AttendJob& j, int b, int g, int r0, int r1, st
   for (int t = 0; t < j.nblk; ++t) {
     const size_t first = ((size_t)table[t] * j.kvh + g) * j.bs;  // the block's first row
     const float* kb = q8 ? rows : j.keys + first * D;
-    if (q8)  // the block's keys that some position shows, dequantized
-      for (int p = 0; p < j.bs; ++p)
-        if (!m || m[t * j.bs + p]) dequant_q8_row(j.keys8 + (first + p) * rb, D, rows + (size_t)p * D);
+    const bool* mb = m ? m + t * j.bs : nullptr;
+    int lo = 0, hi = j.bs;  // the block's positions from the first shown to the last
+    if (mb) {
+      while (lo < hi && !mb[lo]) ++lo;
+      while (hi > lo && !mb[hi - 1]) --hi;
+    }
+    if (q8 && lo < hi)  // the block's keys that some position shows, dequantized
+      DequantRows<I>::run(j.keys8 + (first + lo) * rb, hi - lo, D, reinterpret_cast<const uint8_t*>(mb ? mb + lo : mb),
+                          rows + (size_t)lo * D);
+    float* s = buf.data() + t * j.bs;
+    // the scores of the keys from the first shown to the last (a masked one's is not read: its row
+    // may be stale where q8), then the mask
+    if (lo < hi) KeyScores<I, DC>::run(q, rep, D, kb + (size_t)lo * D, hi - lo, s + lo, span);
     for (int p = 0; p < j.bs; ++p) {
-      const int at = t * j.bs + p;
-      const bool on = !m || m[at];
+      const bool on = !mb || mb[p];
+      if (on && j.softcap == 0.0f) continue;
       for (int r = 0; r < rep; ++r) {
-        float v = ninf;
-        if (on) {
-          v = dot(q + r * D, kb + (size_t)p * D, D);
-          if (j.softcap != 0.0f) v = std::tanh(v / j.softcap) * j.softcap;
-        }
-        buf[(size_t)r * span + at] = v;
+        float& v = s[(size_t)r * span + p];
+        v = on ? std::tanh(v / j.softcap) * j.softcap : ninf;
       }
     }
   }
-  if (q8) {
-    float* sums = rows + (size_t)j.bs * D + (size_t)rep * D;
-    uint8_t* live = reinterpret_cast<uint8_t*>(sums + rep);  // rep bytes in the last rep floats
-    for (int r = 0; r < rep; ++r) live[r] = softmax_weights(buf.data() + (size_t)r * span, span);
-    return attend_values_q8<DC>(j, b, g, h0, rep, table, buf.data(), live, rows, rows + (size_t)j.bs * D, sums);
-  }
-  for (int r = 0; r < rep; ++r) {
-    float* s = buf.data() + (size_t)r * span;
-    float* o = j.out + ((size_t)b * j.H + h0 + r) * D;
-    if (!softmax_weights(s, span)) {  // nothing to attend: zeros
-      for (int d = 0; d < D; ++d) o[d] = 0.0f;
-      continue;
-    }
-    float sum = 0.0f;
-    float reg[DC ? DC : 1];
-    float* a = DC ? reg : acc;
-    for (int d = 0; d < D; ++d) a[d] = 0.0f;
-    for (int t = 0; t < j.nblk; ++t) {
-      const float* vb = j.values + (((size_t)table[t] * j.kvh + g) * j.bs) * D;
-      for (int p = 0; p < j.bs; ++p) {
-        const float e = s[t * j.bs + p];
-        if (e == 0.0f) continue;
-        sum += e;
-        const float* v = vb + (size_t)p * D;
-        for (int d = 0; d < D; ++d) a[d] += e * v[d];
-      }
-    }
-    for (int d = 0; d < D; ++d) o[d] = a[d] / sum;
-  }
+  for (int r = 0; r < rep; ++r) live[r] = softmax_weights(buf.data() + (size_t)r * span, span);
+  uint8_t* need = reinterpret_cast<uint8_t*>(rows + (size_t)j.bs * D);
+  attend_values<I, DC>(j, b, g, h0, rep, table, buf.data(), live, rows, need, acc, sums);
 }
 
 // Units [u0, u1) of an attention job of `split` units a K/V head: unit u is row u / (kvh split),
 // K/V head (u / split) mod kvh, and the split-th part of that head's query heads (split divides
 // H / kvh; 1: all of them together).
+template <class I>
 QK_INLINE void attend_units_body(const AttendJob& j, int split, int u0, int u1) {
   thread_local std::vector<float> s;
   const int per = j.H / j.kvh / split;
@@ -248,16 +216,17 @@ QK_INLINE void attend_units_body(const AttendJob& j, int split, int u0, int u1) 
     const int part = u % split, g = (u / split) % j.kvh, b = u / split / j.kvh;
     const int r0 = part * per, r1 = r0 + per;
     switch (j.D) {
-      case 64: attend_heads<64>(j, b, g, r0, r1, s); break;
-      case 128: attend_heads<128>(j, b, g, r0, r1, s); break;
-      case 256: attend_heads<256>(j, b, g, r0, r1, s); break;
-      default: attend_heads<0>(j, b, g, r0, r1, s);
+      case 64: attend_heads<I, 64>(j, b, g, r0, r1, s); break;
+      case 128: attend_heads<I, 128>(j, b, g, r0, r1, s); break;
+      case 256: attend_heads<I, 256>(j, b, g, r0, r1, s); break;
+      default: attend_heads<I, 0>(j, b, g, r0, r1, s);
     }
   }
 }
 
 // Rows [b0, b1), each K/V head's query heads together
-QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) { attend_units_body(j, 1, b0 * j.kvh, b1 * j.kvh); }
+template <class I>
+QK_INLINE void attend_rows_body(const AttendJob& j, int b0, int b1) { attend_units_body<I>(j, 1, b0 * j.kvh, b1 * j.kvh); }
 
 // The gated activations of the MLP on rows of [gate | up] (each n wide) into y [rows, n]:
 // silu(g) * u = (g / (1 + e^-g)) * u, or gelu_tanh(g) * u = sigmoid(2a) * g * u with

@@ -176,7 +176,7 @@ struct Kernels<QK_ISA> {
     }
   }
   QK_TARGET static void attend_units(const AttendJob& j, int split, int u0, int u1) {
-    attend_units_body(j, split, u0, u1);
+    attend_units_body<I>(j, split, u0, u1);
   }
   QK_TARGET static void rms_norm_rows(const float* x, const float* w, float* y, int64_t rows, int n, float eps) {
     rms_norm_body(x, w, y, rows, n, eps);

@@ -162,8 +162,10 @@ void attend_pooled(const AttendJob& j) {
   int threads = std::max(1, g_threads);
   // below ~16k multiply-adds of scores a thread's share saves less than handing it over costs
   if ((long)j.B * j.H * j.nblk * j.bs * j.D < 16384L) threads = 1;
+  // a part of a K/V head's query heads still dequantizes all of the head's q8_0 rows, which costs
+  // more than the part's scores and sums: q8_0 pools are never split
   int split = 1;
-  while (threads > 1 && (long)j.B * j.kvh * split < 4L * threads && split < rep) {
+  while (threads > 1 && !j.keys8 && (long)j.B * j.kvh * split < 4L * threads && split < rep) {
     do ++split;
     while (rep % split != 0);
   }
