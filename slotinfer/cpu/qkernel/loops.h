@@ -114,13 +114,18 @@ struct Kernels<QK_ISA> {
     }
   }
 
-  // job.m rows, R <= job.m <= TOP, by rows<F, C, job.m>
+  // Columns a block of R rows (more than ROWS) takes together: as many of C as keep the R x C
+  // accumulators and the C decoded columns (2 registers each) within 28 of the 32 registers, so
+  // that nothing spills.  Only the columns taken together change; each sum is the same.
+  static constexpr int wide_columns(int C, int R) { return R <= I::ROWS ? C : std::max(1, std::min(C, 28 / (R + 2))); }
+
+  // job.m rows, R <= job.m <= TOP, by rows<F, C (fewer past ROWS rows), job.m>
   template <Format F, int C, int R = 1, int TOP = I::ROWS>
   QK_TARGET static void few_rows(const Job& job) {
     if constexpr (R < TOP) {
       if (job.m != R) return few_rows<F, C, R + 1, TOP>(job);
     }
-    rows<F, C, R>(job);
+    rows<F, wide_columns(C, R), R>(job);
   }
 
   // Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of K_CHUNK
