@@ -52,7 +52,7 @@ enum class Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q6_K = 5 }
 constexpr int BLOCK = 32;
 constexpr int ROW_CHUNK = 64;  // rows a decoded panel serves before the next panel is decoded
 constexpr int GROUP = 8;       // columns a thread's share goes in (a multiple of every panel width)
-constexpr int K_CHUNK = 8;     // blocks of k a row tile takes at a time
+constexpr int K_CHUNK_BYTES = 10240;  // at most the bytes of decoded panel a row tile takes at a time
 constexpr int TILE_ROWS = 4;   // rows of x a tile of the decoded panel takes at a time
 
 // A block's bytes and weights as stored (a K-quant's super-block); the loops take 32 weights at a
@@ -238,6 +238,20 @@ inline void prefetch_group(const Job& job, int j, int C, size_t row_bytes, int b
   for (int off = 0; off < C * bb; off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
 #else
   (void)job, (void)j, (void)C, (void)row_bytes, (void)b, (void)bb;
+#endif
+}
+
+// Software prefetch for the panel loops: part `part` of `parts` of the lines of the C weight rows
+// from column j on (the next panel, requested a part per row tile while the current one is
+// computed, so that its decoding finds it in cache).  Prefetches change no value.
+inline void prefetch_panel(const Job& job, int j, int C, size_t row_bytes, int part, int parts) {
+#ifdef QK_X86
+  if (j + C > job.j1) return;
+  const size_t bytes = (size_t)C * row_bytes, step = (bytes + parts - 1) / parts;
+  const char* at = reinterpret_cast<const char*>(job.W + (size_t)j * row_bytes);
+  for (size_t off = part * step; off < std::min(bytes, (part + 1) * step); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
+#else
+  (void)job, (void)j, (void)C, (void)row_bytes, (void)part, (void)parts;
 #endif
 }
 
