@@ -123,6 +123,16 @@ struct Kernels<QK_ISA> {
     rows<F, C, R>(job);
   }
 
+  // Sub-blocks J .. 7 of a K-quant super-block (its factors ks) decoded into a panel of C columns,
+  // sub-block J at to + J * C * BLOCK: the weights decode<F> gives.
+  template <Format F, int C, int J>
+  QK_TARGET static QK_INL void decode_super(const uint8_t* blk, const KScales& ks, float* to) {
+    V w[SLICES];
+    I::template decode_sub<F, J>(blk, ks, w);
+    for (int s = 0; s < SLICES; ++s) I::store(to + J * C * BLOCK + W * s, w[s]);
+    if constexpr (J < 7) decode_super<F, C, J + 1>(blk, ks, to);
+  }
+
   // Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of at most
   // K_CHUNK_BYTES of decoded panel (the whole of k where it fits) so that a chunk of the panel and
   // of TILE_ROWS rows of x stay in L1 while the rows go by.  The next panel's weights are
@@ -146,12 +156,22 @@ struct Kernels<QK_ISA> {
     float* keep = wp + (size_t)k * C;
     int j = job.j0;
     for (; j + C <= job.j1; j += C) {
-      for (int b = 0; b < nb; ++b)
-        for (int c = 0; c < C; ++c) {
-          V w[SLICES];
-          I::template decode<F>(job.W + (j + c) * row_bytes, b, w);
-          for (int s = 0; s < SLICES; ++s) I::store(wp + (b * C + c) * BLOCK + W * s, w[s]);
-        }
+      if constexpr (block_values(F) != BLOCK) {  // a K-quant's factors unpacked once per super-block
+        for (int sb = 0; sb < nb / 8; ++sb)
+          for (int c = 0; c < C; ++c) {
+            const uint8_t* blk = job.W + (j + c) * row_bytes + (size_t)sb * block_bytes(F);
+            KScales ks;
+            I::template k_scales<F>(blk, ks);
+            decode_super<F, C, 0>(blk, ks, wp + (size_t)(8 * sb * C + c) * BLOCK);
+          }
+      } else {
+        for (int b = 0; b < nb; ++b)
+          for (int c = 0; c < C; ++c) {
+            V w[SLICES];
+            I::template decode<F>(job.W + (j + c) * row_bytes, b, w);
+            for (int s = 0; s < SLICES; ++s) I::store(wp + (b * C + c) * BLOCK + W * s, w[s]);
+          }
+      }
       int t = 0;
       for (int b0 = 0; b0 < nb; b0 += chunk) {
         const int b1 = std::min(nb, b0 + chunk);
