@@ -241,20 +241,6 @@ inline void prefetch_group(const Job& job, int j, int C, size_t row_bytes, int b
 #endif
 }
 
-// Software prefetch for the panel loops: part `part` of `parts` of the lines of the C weight rows
-// from column j on (the next panel, requested a part per row tile while the current one is
-// computed, so that its decoding finds it in cache).  Prefetches change no value.
-inline void prefetch_panel(const Job& job, int j, int C, size_t row_bytes, int part, int parts) {
-#ifdef QK_X86
-  if (j + C > job.j1) return;
-  const size_t bytes = (size_t)C * row_bytes, step = (bytes + parts - 1) / parts;
-  const char* at = reinterpret_cast<const char*>(job.W + (size_t)j * row_bytes);
-  for (size_t off = part * step; off < std::min(bytes, (part + 1) * step); off += 64) _mm_prefetch(at + off, _MM_HINT_T0);
-#else
-  (void)job, (void)j, (void)C, (void)row_bytes, (void)part, (void)parts;
-#endif
-}
-
 #ifdef QK_X86
 inline bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
