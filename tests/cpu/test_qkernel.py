@@ -68,12 +68,14 @@ def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
 
 @built
 @given(qtype=st.sampled_from(FORMATS), m=st.one_of(st.integers(2, 9), st.integers(2, 80)),
-       seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2, 3]))
-def test_batch_invariant(kernels, qtype, m, seed, threads):
+       seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2, 3]), long_k=st.booleans())
+def test_batch_invariant(kernels, qtype, m, seed, threads, long_k):
     """A row's result is bit-identical whatever the number of rows, their values, and the thread count
     (a few rows, which skip the decoded panel up to 4 or 8 of them, drawn as often as any count)."""
-    n = 37  # k: more blocks of 32 than a row tile takes at a time; m: up to more rows than a panel serves
-    k = 512 if qtype in K_QUANTS else 320
+    # k: a row tile takes the whole of a short k at once and a long one (over 640) in chunks, the
+    # last one shorter; m: up to more rows than a panel serves
+    n = 37
+    k = (768 if long_k else 512) if qtype in K_QUANTS else (736 if long_k else 320)
     b, _ = blocks(qtype, n, k, seed)
     rng = np.random.default_rng(seed + 1)
     x = rng.standard_normal((m, k)).astype(np.float32)

@@ -128,8 +128,20 @@ struct Kernels<QK_ISA> {
     rows<F, wide_columns(C, R), R>(job);
   }
 
-  // Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of K_CHUNK
-  // blocks so that a chunk of the panel and of TILE_ROWS rows of x stay in L1 while the rows go by.
+  // Sub-blocks J .. 7 of a K-quant super-block (its factors ks) decoded into a panel of C columns,
+  // sub-block J at to + J * C * BLOCK: the weights decode<F> gives.
+  template <Format F, int C, int J>
+  QK_TARGET static QK_INL void decode_super(const uint8_t* blk, const KScales& ks, float* to) {
+    V w[SLICES];
+    I::template decode_sub<F, J>(blk, ks, w);
+    for (int s = 0; s < SLICES; ++s) I::store(to + J * C * BLOCK + W * s, w[s]);
+    if constexpr (J < 7) decode_super<F, C, J + 1>(blk, ks, to);
+  }
+
+  // Columns [j0, j1) a panel of C at a time: the panel decoded once, then k in chunks of at most
+  // K_CHUNK_BYTES of decoded panel (the whole of k where it fits) so that a chunk of the panel and
+  // of TILE_ROWS rows of x stay in L1 while the rows go by.  (A software prefetch of the next
+  // panel's weights, a part per row tile, measured no faster: the hardware's keeps up here.)
   template <Format F, int C>
   QK_TARGET static void panels(const Job& job, std::vector<float>& buf) {
     if (job.m <= I::ROWS) return few_rows<F, C>(job);
@@ -140,20 +152,32 @@ struct Kernels<QK_ISA> {
       if (job.m <= I::WIDE_ROWS) return few_rows<F, C, I::ROWS + 1, I::WIDE_ROWS>(job);
     }
     const int nb = job.k / BLOCK, k = job.k;
+    const int most = std::max(1, K_CHUNK_BYTES / (C * BLOCK * (int)sizeof(float)));
+    const int chunks = (nb + most - 1) / most, chunk = (nb + chunks - 1) / chunks;
     const size_t row_bytes = qk::row_bytes(F, job.k);
     buf.resize((size_t)k * C + (size_t)job.m * C * W);
     float* wp = buf.data();
     float* keep = wp + (size_t)k * C;
     int j = job.j0;
     for (; j + C <= job.j1; j += C) {
-      for (int b = 0; b < nb; ++b)
-        for (int c = 0; c < C; ++c) {
-          V w[SLICES];
-          I::template decode<F>(job.W + (j + c) * row_bytes, b, w);
-          for (int s = 0; s < SLICES; ++s) I::store(wp + (b * C + c) * BLOCK + W * s, w[s]);
-        }
-      for (int b0 = 0; b0 < nb; b0 += K_CHUNK) {
-        const int b1 = std::min(nb, b0 + K_CHUNK);
+      if constexpr (block_values(F) != BLOCK) {  // a K-quant's factors unpacked once per super-block
+        for (int sb = 0; sb < nb / 8; ++sb)
+          for (int c = 0; c < C; ++c) {
+            const uint8_t* blk = job.W + (j + c) * row_bytes + (size_t)sb * block_bytes(F);
+            KScales ks;
+            I::template k_scales<F>(blk, ks);
+            decode_super<F, C, 0>(blk, ks, wp + (size_t)(8 * sb * C + c) * BLOCK);
+          }
+      } else {
+        for (int b = 0; b < nb; ++b)
+          for (int c = 0; c < C; ++c) {
+            V w[SLICES];
+            I::template decode<F>(job.W + (j + c) * row_bytes, b, w);
+            for (int s = 0; s < SLICES; ++s) I::store(wp + (b * C + c) * BLOCK + W * s, w[s]);
+          }
+      }
+      for (int b0 = 0; b0 < nb; b0 += chunk) {
+        const int b1 = std::min(nb, b0 + chunk);
         int r = 0;
         for (; r + TILE_ROWS <= job.m; r += TILE_ROWS)
           tile<TILE_ROWS, C>(wp, job.x + (size_t)r * k, k, b0, b1, keep + (size_t)r * C * W,

@@ -52,7 +52,7 @@ enum class Format { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q4_K = 4, Q6_K = 5 }
 constexpr int BLOCK = 32;
 constexpr int ROW_CHUNK = 64;  // rows a decoded panel serves before the next panel is decoded
 constexpr int GROUP = 8;       // columns a thread's share goes in (a multiple of every panel width)
-constexpr int K_CHUNK = 8;     // blocks of k a row tile takes at a time
+constexpr int K_CHUNK_BYTES = 10240;  // at most the bytes of decoded panel a row tile takes at a time
 constexpr int TILE_ROWS = 4;   // rows of x a tile of the decoded panel takes at a time
 
 // A block's bytes and weights as stored (a K-quant's super-block); the loops take 32 weights at a
