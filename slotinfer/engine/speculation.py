@@ -22,15 +22,14 @@ from ..spec import CostModel, Drafter
 
 SPECULATIVE = (None, "ngram")  # what ``speculative`` takes: off, or drafts from n-grams (and forced tokens)
 # The gate's constants on the 2-core CPU (benchmarks/bench_spec.py --calibrate, docs/speculative.md): an
-# extra verified position costs about 0.2 of a one-row step up to 4 rows in a step, and a step's cost
-# about doubles from 4 rows to 6, so nobody drafts past 4 positions.
-POSITION_COST = 0.2
+# extra verified position costs 0.11-0.19 of a one-row step up to 8 positions; a budget of 6 positions a
+# step measured no better than 4, so nobody drafts past 4 positions.
+POSITION_COST = 0.15
 BANDWIDTH_ROWS = 4
 # A step whose previous one is read back first loses the overlap of the host's work (reading tokens,
-# drafting, building the step) with the device's: about this fraction of a one-row step on that CPU
-# (benchmarks/bench_spec.py --calibrate).  A row makes steps wait only while drafts come often enough
-# to pay for it.
-SYNC_COST = 0.1
+# drafting, building the step) with the device's: 0.05 of a one-row step on that CPU (the same
+# calibration).  A row makes steps wait only while drafts come often enough to pay for it.
+SYNC_COST = 0.05
 
 
 @dataclass
