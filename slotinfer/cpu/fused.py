@@ -3,9 +3,11 @@
 At one row a decode step's cost is MLX's cost per node (docs/quantized-cpu.md): a pre-norm block
 whose linear layers keep GGUF blocks (:mod:`.qlayers`) is about 35 nodes even with the native
 RMSNorm, rope and attention.  :func:`block` computes it as the extension's ``qkv_rope``
-(RMSNorm, q|k|v and its bias, the q/k norms, rope from the step's tables), the context's two K/V
-writes (MLX scatters, which write the pools in place), ``attend_out`` (paged attention, o and the
-residual) and ``mlp_block`` (RMSNorm, gate|up, the activation, down and the residual).  They
+(RMSNorm, q|k|v and its bias, the q/k norms, rope from the step's tables), the K/V writes (the
+extension's ``kv_write`` into the engine's float32 pools, one node where MLX's slices, reshapes and
+scatters took a dozen; MLX scatters elsewhere; both write the pools in place), ``attend_out`` (paged
+attention, o and the residual) and ``mlp_block`` (RMSNorm, gate|up, the activation, down and the
+residual).  They
 compose the loops the separate nodes run, in their order, so they give their values bit for bit
 (the activation is the CPU ops' arithmetic, :mod:`.ops`).
 
@@ -46,14 +48,17 @@ def block(module, blk, x, ctx):
     qkv = module.qkv_rope(x, norm.weight, norm.eps, attn.qkv_proj.weight, attn.qkv_proj.fmt, cos, sin, H, kvh,
                           qkv_bias=attn.qkv_proj.bias if "bias" in attn.qkv_proj else None,
                           qk_norm=attn.qk_norm.weight if attn.qk_norm is not None else None)
-    quantize = getattr(ctx, "quantizer", lambda layer: None)(attn.layer)
-    if quantize is not None:  # q8_0 pools: K and V quantized together, half the nodes of one each
-        kv = quantize(qkv[:, :, H * D:].reshape(B, 2 * kvh, 1, D))
-        k, v = kv[:, :kvh], kv[:, kvh:]
-    else:
-        k = qkv[:, :, H * D:(H + kvh) * D].reshape(B, kvh, 1, D)  # a slice and a reshape: no squeeze node
-        v = qkv[:, :, (H + kvh) * D:].reshape(B, kvh, 1, D)
-    paged, _ = ctx.update(attn.layer, k, v)  # the K/V writes: MLX scatters, in place
+    write = getattr(ctx, "write_qkv", None)
+    paged = write(attn.layer, qkv, H, module) if write is not None else None  # float32 pools: one native node
+    if paged is None:
+        quantize = getattr(ctx, "quantizer", lambda layer: None)(attn.layer)
+        if quantize is not None:  # q8_0 pools: K and V quantized together, half the nodes of one each
+            kv = quantize(qkv[:, :, H * D:].reshape(B, 2 * kvh, 1, D))
+            k, v = kv[:, :kvh], kv[:, kvh:]
+        else:
+            k = qkv[:, :, H * D:(H + kvh) * D].reshape(B, kvh, 1, D)  # a slice and a reshape: no squeeze node
+            v = qkv[:, :, (H + kvh) * D:].reshape(B, kvh, 1, D)
+        paged, _ = ctx.update(attn.layer, k, v)  # the K/V writes: MLX scatters, in place
     mask = ctx.mask(attn.layer, 1, attn.window)
     h = module.attend_out(qkv, paged.keys, paged.values, paged.tables.astype(mx.int32), mask, attn.o_proj.weight,
                           attn.o_proj.fmt, x, H, attn.scale, attn.softcap or 0.0)

@@ -369,3 +369,45 @@ def test_fused_blocks_refuse_bad_input():
         module.attend_out(qkv, pool, pool, tables, mx.ones((1, 5), dtype=mx.bool_), wo, "q8_0", x, 1, 0.25)
     with pytest.raises(ValueError, match="qkv"):
         module.attend_out(qkv[..., :64], pool, pool, tables, mx.ones((1, 4), dtype=mx.bool_), wo, "q8_0", x, 1, 0.25)
+
+
+# -- the K/V write of a fused block ------------------------------------------------------------
+
+@given(b=st.integers(1, 5), kv=st.sampled_from([(1, 3), (2, 2), (3, 9)]), d=st.sampled_from([8, 64]),
+       bs=st.sampled_from([1, 4, 16]), wide=st.booleans(), seed=st.integers(0, 2**16))
+def test_kv_write_writes_what_the_scatters_write(b, kv, d, bs, wide, seed):
+    """``kv_write`` puts each row's K and V from q|k|v where :func:`write_index` says, as the MLX
+    scatters of ``PagedDecodeView.update`` do, and leaves a pool that is still held elsewhere as it was."""
+    from slotinfer.kv.paged_attention import write_index
+
+    kvh, heads = kv
+    rng = np.random.default_rng(seed)
+    blocks = 2 * b + 1
+    keys0, values0 = normal(rng, blocks, kvh, bs, d), normal(rng, blocks, kvh, bs, d)
+    qkv = normal(rng, b, 1, (heads + 2 * kvh) * d)
+    cells = rng.choice(blocks * bs, size=b, replace=False)  # each row its own (block, offset)
+    where = (mx.array(cells[:, None] // bs, dtype=mx.int32), mx.array(cells[:, None] % bs, dtype=mx.int32))
+    index = write_index(*where, kv_heads=kvh, block_size=bs, head_dim=d, num_blocks=blocks)
+    index = index.astype(mx.int64) if wide else index
+    held_k, held_v = mx.array(keys0), mx.array(values0)
+    keys, values = module.kv_write(held_k, held_v, mx.array(qkv), index, heads)
+    want_k, want_v = keys0.copy(), values0.copy()
+    for r, c in enumerate(cells):
+        k = qkv[r, 0, heads * d:(heads + kvh) * d].reshape(kvh, d)
+        v = qkv[r, 0, (heads + kvh) * d:].reshape(kvh, d)
+        want_k[c // bs, :, c % bs], want_v[c // bs, :, c % bs] = k, v
+    assert np.array_equal(np.array(keys), want_k) and np.array_equal(np.array(values), want_v)
+    assert np.array_equal(np.array(held_k), keys0) and np.array_equal(np.array(held_v), values0)
+
+
+def test_kv_write_refuses_bad_input():
+    pool, qkv, index = mx.zeros((4, 1, 4, 32)), mx.zeros((1, 1, 96)), mx.zeros((32,), dtype=mx.int32)
+    mx.eval(module.kv_write(pool, pool, qkv, index, 1))
+    with pytest.raises(ValueError, match="qkv"):
+        module.kv_write(pool, pool, qkv[..., :64], index, 1)
+    with pytest.raises(ValueError, match="index"):
+        module.kv_write(pool, pool, qkv, index[:16], 1)
+    with pytest.raises(ValueError, match="index"):
+        module.kv_write(pool, pool, qkv, index.astype(mx.float32), 1)
+    with pytest.raises(ValueError, match="float32"):
+        module.kv_write(pool.astype(mx.float16), pool, qkv, index, 1)

@@ -5,6 +5,8 @@
 #include "primitives.h"
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -320,6 +322,74 @@ class AttendOut : public Rowwise {
   float scale_, softcap_;
 };
 
+// A decode step's K and V of one layer, taken from q|k|v [B, 1, (heads + 2 kvh) D], written into the
+// layer's float32 pools [blocks, kvh, bs, D] at `index` (flat element offsets, [B * kvh * D], in the order
+// of a [B, kvh, 1, D] update): one node for what MLX's ops take a dozen (two slices, four reshapes, two
+// scatters and their reshapes back).  Outputs: the pools written.  Like MLX's scatter, a pool nothing
+// else holds is written in place (its buffer passed on to the output); one still held is copied first.
+class KvWrite : public mx::Primitive {
+ public:
+  KvWrite(mx::Stream s, int heads) : mx::Primitive(s), heads_(heads) {}
+  const char* name() const override { return "SlotinferKvWrite"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const KvWrite*>(&other);
+    return o && o->heads_ == heads_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override { return {in[0].shape(), in[1].shape()}; }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("SlotinferKvWrite has no GPU kernel: MLX's own ops serve there");
+  }
+
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& out) override {
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    bool copy[2];
+    for (int i = 0; i < 2; ++i) {
+      copy[i] = !(in[i].flags().row_contiguous && in[i].is_donatable());
+      if (copy[i])
+        out[i].set_data(mx::allocator::malloc(out[i].nbytes()));
+      else
+        out[i].copy_shared_buffer(in[i]);
+      enc.set_input_array(in[i]);
+      enc.set_output_array(out[i]);
+    }
+    enc.set_input_array(in[2]);
+    enc.set_input_array(in[3]);
+    const int kvh = in[0].shape(1), D = in[0].shape(3), B = in[2].shape(0);
+    const int row = in[2].shape(-1), H = heads_;
+    const bool wide = in[3].dtype() == mx::int64;
+    enc.dispatch([pools = std::array<Operand<float>, 2>{Operand<float>(in[0]), Operand<float>(in[1])},
+                  qkv = Operand<float>(in[2]), index = Operand<uint8_t>(in[3]), copy0 = copy[0], copy1 = copy[1],
+                  dst = std::array<float*, 2>{out[0].data<float>(), out[1].data<float>()}, kvh, D, B, row, H,
+                  wide]() {
+      thread_local std::vector<float> pbuf, qbuf;
+      thread_local std::vector<uint8_t> ibuf;
+      const bool copies[2] = {copy0, copy1};
+      for (int i = 0; i < 2; ++i)
+        if (copies[i]) {
+          const float* src = pools[i].packed(pbuf);
+          std::memcpy(dst[i], src, pools[i].size * sizeof(float));
+        }
+      const float* q = qkv.packed(qbuf);
+      const void* ix = index.packed_as(ibuf, wide ? 8 : 4);
+      const int64_t size = (int64_t)pools[0].size;
+      for (int b = 0; b < B; ++b)
+        for (int h = 0; h < kvh; ++h)
+          for (int i = 0; i < 2; ++i) {
+            const float* src = q + (size_t)b * row + (size_t)(H + i * kvh + h) * D;
+            float* to = dst[i];
+            const size_t at = ((size_t)b * kvh + h) * D;
+            for (int d = 0; d < D; ++d) {
+              int64_t o = wide ? static_cast<const int64_t*>(ix)[at + d] : static_cast<const int32_t*>(ix)[at + d];
+              if (o >= 0 && o < size) to[o] = src[d];
+            }
+          }
+    });
+  }
+
+ private:
+  int heads_;
+};
+
 // h + down(act(gate_up(rms_norm(h) * w_norm))), act silu (0) or gelu_tanh (1) of gate times up.
 class MlpBlock : public Rowwise {
  public:
@@ -494,6 +564,24 @@ mx::array attend_out(const mx::array& qkv, const mx::array& keys, const mx::arra
   auto stream = mx::to_stream(cpu_only(s, "attend_out"));
   return mx::array(x.shape(), mx::float32, std::make_shared<AttendOut>(stream, f, heads, scale, softcap),
                    {qkv, keys, values, x, tables, mask, w_o});
+}
+
+std::vector<mx::array> kv_write(const mx::array& keys, const mx::array& values, const mx::array& qkv,
+                                const mx::array& index, int heads, mx::StreamOrDevice s) {
+  need_f32(keys, "keys");
+  need_f32(values, "values");
+  need_f32(qkv, "qkv");
+  if (keys.ndim() != 4 || keys.shape() != values.shape())
+    throw std::invalid_argument("keys and values must be float32 [blocks, kv_heads, block_size, D], the same shape");
+  const int kvh = keys.shape(1), D = keys.shape(3);
+  if (heads < 1 || qkv.ndim() != 3 || qkv.shape(1) != 1 || qkv.shape(2) != (heads + 2 * kvh) * D)
+    throw std::invalid_argument("qkv must be [B, 1, (heads + 2 kv_heads) D]");
+  if ((index.dtype() != mx::int32 && index.dtype() != mx::int64) || index.ndim() != 1 ||
+      index.shape(0) != qkv.shape(0) * kvh * D)
+    throw std::invalid_argument("index must be int32 or int64 [B * kv_heads * D] (flat offsets into a pool)");
+  auto stream = mx::to_stream(cpu_only(s, "kv_write"));
+  return mx::array::make_arrays({keys.shape(), values.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<KvWrite>(stream, heads), {keys, values, qkv, index});
 }
 
 mx::array mlp_block(const mx::array& h, const mx::array& w_norm, float eps, const mx::array& w_gate_up,

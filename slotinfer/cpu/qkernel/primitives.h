@@ -4,6 +4,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/utils.h"
@@ -32,6 +33,10 @@ mx::array qkv_rope(const mx::array& x, const mx::array& w_norm, float eps, const
 mx::array attend_out(const mx::array& qkv, const mx::array& keys, const mx::array& values, const mx::array& tables,
                      const mx::array& mask, const mx::array& w_o, const std::string& fmt_o, const mx::array& x,
                      int heads, float scale, float softcap, mx::StreamOrDevice s);
+// The step's K and V from qkv written into float32 pools at index (flat offsets): the pools written,
+// in place where nothing else holds them.
+std::vector<mx::array> kv_write(const mx::array& keys, const mx::array& values, const mx::array& qkv,
+                                const mx::array& index, int heads, mx::StreamOrDevice s);
 mx::array mlp_block(const mx::array& h, const mx::array& w_norm, float eps, const mx::array& w_gate_up,
                     const std::string& fmt_gate_up, const mx::array& w_down, const std::string& fmt_down,
                     const std::string& activation, mx::StreamOrDevice s);
