@@ -27,8 +27,9 @@ class Row:
                  acceptance: dict[str, Acceptance] | None = None):
         self.index, self.salt, self.matcher = index, salt, matcher
         self.acceptance = acceptance or {}
-        # source -> (start, draft, verified): drafts waiting for the tokens that score them
-        self.pending: dict[str, tuple[int, list[int], bool]] = {}
+        # source -> (start, draft, verified, credited): drafts waiting for the tokens that score them,
+        # with how many of their first tokens already proved right and were credited to the gate
+        self.pending: dict[str, tuple[int, list[int], bool, int]] = {}
         self.fed = 0  # tokens already given to the suffix pool
         # how often a source whose gate is open has had a draft, over recent steps (decayed)
         self.found = 1.0
@@ -124,7 +125,7 @@ class Drafter:
                 self._shadow(row, name, draft)
                 continue
             out[i] = draft[:k]
-            row.pending[name] = (len(row.tokens), out[i], True)
+            row.pending[name] = (len(row.tokens), out[i], True, 0)
             self.drafted += k
         return out
 
@@ -139,9 +140,9 @@ class Drafter:
     def withdraw(self, row: Row) -> None:
         """The draft :meth:`step` gave ``row`` is not verified after all (no room for it): it is
         scored in the shadow instead."""
-        for name, (start, draft, verified) in list(row.pending.items()):
+        for name, (start, draft, verified, credited) in list(row.pending.items()):
             if verified:
-                row.pending[name] = (start, draft, False)
+                row.pending[name] = (start, draft, False, credited)
                 self.drafted -= len(draft)
 
     def append(self, row: Row, tokens: Iterable[int]) -> None:
@@ -152,24 +153,27 @@ class Drafter:
 
     def finish(self, row: Row) -> None:
         """The row ended.  A draft it ended inside counts what it got right among the verified
-        tokens, but is not scored against the gate: what would have come next is unknown."""
+        tokens, and its gate keeps the tokens already credited, but takes no miss: what would have
+        come next is unknown."""
         self._score(row, ended=True)
         row.pending.clear()
         self._feed(row)
 
     def _score(self, row: Row, ended: bool) -> None:
         have = row.tokens
-        for name, (start, draft, verified) in list(row.pending.items()):
+        for name, (start, draft, verified, credited) in list(row.pending.items()):
             seen = have[start:start + len(draft)]
             right = 0
             while right < len(seen) and seen[right] == draft[right]:
                 right += 1
-            whole = right < len(seen) or len(seen) == len(draft)  # a miss, or the whole draft seen
-            if whole:
-                row.acceptance[name].record(len(draft), right)
-            if whole or ended:
+            missed = right < len(seen)
+            if right > credited or missed:  # credited as the tokens come (see slotinfer.spec.gate)
+                row.acceptance[name].update(right - credited, missed)
+            if missed or len(seen) == len(draft) or ended:  # a miss, the whole draft seen, or the row's end
                 self.accepted += right if verified else 0
                 del row.pending[name]
+            else:
+                row.pending[name] = (start, draft, verified, right)
 
     @staticmethod
     def _draft(row: Row, source, k: int) -> list[int]:
@@ -180,7 +184,7 @@ class Drafter:
 
     def _shadow(self, row: Row, name: str, draft: list[int]) -> None:
         if name not in row.pending:
-            row.pending[name] = (len(row.tokens), draft, False)
+            row.pending[name] = (len(row.tokens), draft, False, 0)
 
     def _feed(self, row: Row) -> None:
         if self._learns and row.fed < len(row.tokens):

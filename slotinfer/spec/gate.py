@@ -9,7 +9,10 @@ given the ones before it were), a verify pass of ``k`` drafted tokens yields
 tokens: the accepted ones plus the token the model samples after them.  :class:`Acceptance`
 estimates ``a`` per row from every draft scored (``accepted`` successes and one failure when the
 draft stopped short), with older drafts decaying, which is the maximum-likelihood estimate of that
-geometric model rather than accepted / drafted (tokens after a miss were never tested).
+geometric model rather than accepted / drafted (tokens after a miss were never tested).  A draft
+is credited token by token as the row's tokens come, not once it is settled: a shut gate opens
+the step after a shadow draft's first token proves right, where waiting for the whole draft (up to
+``max_k`` tokens) kept it shut through most of a short copied span.
 
 **Cost.**  A step over ``P`` positions costs ``1 + c (P - 1)`` in units of a one-row step, with
 ``c = position_cost``.  On the 2-core CPU, SmolLM2-135M decodes one row in about 8.7 ms and 32 rows
@@ -128,8 +131,12 @@ class Acceptance:
         """One draft of ``drafted`` tokens whose first ``accepted`` were right."""
         if drafted <= 0:
             return
-        self.accepted = self.decay * self.accepted + accepted
-        self.rejected = self.decay * self.rejected + (1.0 if accepted < drafted else 0.0)
+        self.update(accepted, accepted < drafted)
+
+    def update(self, right: int, missed: bool) -> None:
+        """A draft's next ``right`` tokens proved right, then (``missed``) one proved wrong."""
+        self.accepted = self.decay * self.accepted + right
+        self.rejected = self.decay * self.rejected + (1.0 if missed else 0.0)
 
     @property
     def rate(self) -> float:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotinfer
-from slotinfer.spec import Acceptance, CostModel, Drafter, ForcedTokens, NgramIndex, SuffixPool, plan
+from slotinfer.spec import Acceptance, CostModel, Drafter, ForcedTokens, NgramIndex, PromptLookup, SuffixPool, plan
 
 tokens_st = st.lists(st.integers(0, 4), max_size=60)  # a small alphabet: repeats are common
 
@@ -165,6 +165,7 @@ def test_shadow_drafts_open_the_gate_when_copying_starts():
         pos += right + 1
         drafts.append(draft)
         accepted += right
+    drafter.finish(row)  # the row ends (its last draft may reach past it)
     assert drafts[0] == []  # no evidence yet: nothing verified
     assert any(drafts) and row.acceptance["lookup"].rate > 0.5  # shadow drafts opened the gate
     assert drafter.drafted == sum(map(len, drafts)) and drafter.accepted == accepted > 0
@@ -341,3 +342,17 @@ def test_the_drafter_drafts_what_its_sources_propose_and_counts_what_was_right(p
     drafter.finish(row)
     assert (drafter.drafted, drafter.accepted) == (drafted, accepted)
     assert row.tokens == prompt + output and not row.pending
+
+
+def test_a_shadow_draft_is_credited_as_its_tokens_come():
+    """A shut gate opens once a shadow draft's first token proves right, not after all its tokens."""
+    drafter = Drafter(sources=[PromptLookup()])
+    row = drafter.row(list(range(1, 40)))  # distinct tokens: nothing to copy yet
+    drafter.append(row, [3, 4])  # the row starts copying its prompt: lookup proposes 5, 6, ...
+    assert drafter.step([row]) == [[]]  # no evidence yet: the draft is scored in the shadow
+    drafter.append(row, [5])  # its first token was right; seven more are still to come
+    assert row.acceptance["lookup"].rate > drafter.cost.position_cost
+    draft = drafter.step([row])[0]
+    assert draft and draft[0] == 6
+    drafter.append(row, [6, 99])  # one right, then a miss
+    assert drafter.accepted == 1 and drafter.drafted == len(draft)
