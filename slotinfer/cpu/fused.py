@@ -4,8 +4,8 @@ At one row a decode step's cost is MLX's cost per node (docs/quantized-cpu.md): 
 whose linear layers keep GGUF blocks (:mod:`.qlayers`) is about 35 nodes even with the native
 RMSNorm, rope and attention.  :func:`block` computes it as the extension's ``qkv_rope``
 (RMSNorm, q|k|v and its bias, the q/k norms, rope from the step's tables), the K/V writes (the
-extension's ``kv_write`` into the engine's float32 pools, one node where MLX's slices, reshapes and
-scatters took a dozen; MLX scatters elsewhere; both write the pools in place), ``attend_out`` (paged
+extension's ``kv_write`` into the engine's float32 pools, a node a pool where MLX's slices, reshapes
+and scatters took six; MLX scatters elsewhere; both write the pools in place), ``attend_out`` (paged
 attention, o and the residual) and ``mlp_block`` (RMSNorm, gate|up, the activation, down and the
 residual).  They
 compose the loops the separate nodes run, in their order, so they give their values bit for bit
@@ -49,7 +49,7 @@ def block(module, blk, x, ctx):
                           qkv_bias=attn.qkv_proj.bias if "bias" in attn.qkv_proj else None,
                           qk_norm=attn.qk_norm.weight if attn.qk_norm is not None else None)
     write = getattr(ctx, "write_qkv", None)
-    paged = write(attn.layer, qkv, H, module) if write is not None else None  # float32 pools: one native node
+    paged = write(attn.layer, qkv, H, module) if write is not None else None  # float32 pools: native nodes
     if paged is None:
         quantize = getattr(ctx, "quantizer", lambda layer: None)(attn.layer)
         if quantize is not None:  # q8_0 pools: K and V quantized together, half the nodes of one each

@@ -186,13 +186,13 @@ class PagedDecodeView:
 
     def write_qkv(self, layer, qkv, heads: int, module):
         """The step's K and V, taken from the fused block's q|k|v [B, 1, (heads + 2 kv_heads) D], written
-        into float32 pools by the extension's one ``kv_write`` node (in place, as :meth:`update`'s
+        into float32 pools by the extension's ``kv_write``, a node a pool (in place, as :meth:`update`'s
         scatters); None where the pools hold another dtype (the caller then slices and calls
         :meth:`update`)."""
         if self.keys[layer].dtype != mx.float32:
             return None
-        self.keys[layer], self.values[layer] = module.kv_write(self.keys[layer], self.values[layer], qkv,
-                                                                self.index, heads)
+        self.keys[layer] = module.kv_write(self.keys[layer], qkv, self.index, heads, 0)
+        self.values[layer] = module.kv_write(self.values[layer], qkv, self.index, heads, 1)
         if self._blocks is None:
             self._blocks = block_index(self.tables, self.keys[layer].shape[1])
         return PagedKV(self.keys[layer], self.values[layer], self.tables, self._blocks)

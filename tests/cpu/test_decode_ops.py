@@ -390,7 +390,7 @@ def test_kv_write_writes_what_the_scatters_write(b, kv, d, bs, wide, seed):
     index = write_index(*where, kv_heads=kvh, block_size=bs, head_dim=d, num_blocks=blocks)
     index = index.astype(mx.int64) if wide else index
     held_k, held_v = mx.array(keys0), mx.array(values0)
-    keys, values = module.kv_write(held_k, held_v, mx.array(qkv), index, heads)
+    keys, values = (module.kv_write(p, mx.array(qkv), index, heads, part) for part, p in enumerate((held_k, held_v)))
     want_k, want_v = keys0.copy(), values0.copy()
     for r, c in enumerate(cells):
         k = qkv[r, 0, heads * d:(heads + kvh) * d].reshape(kvh, d)
@@ -402,12 +402,36 @@ def test_kv_write_writes_what_the_scatters_write(b, kv, d, bs, wide, seed):
 
 def test_kv_write_refuses_bad_input():
     pool, qkv, index = mx.zeros((4, 1, 4, 32)), mx.zeros((1, 1, 96)), mx.zeros((32,), dtype=mx.int32)
-    mx.eval(module.kv_write(pool, pool, qkv, index, 1))
+    mx.eval(module.kv_write(pool, qkv, index, 1, 1))
     with pytest.raises(ValueError, match="qkv"):
-        module.kv_write(pool, pool, qkv[..., :64], index, 1)
+        module.kv_write(pool, qkv[..., :64], index, 1, 0)
     with pytest.raises(ValueError, match="index"):
-        module.kv_write(pool, pool, qkv, index[:16], 1)
+        module.kv_write(pool, qkv, index[:16], 1, 0)
     with pytest.raises(ValueError, match="index"):
-        module.kv_write(pool, pool, qkv, index.astype(mx.float32), 1)
+        module.kv_write(pool, qkv, index.astype(mx.float32), 1, 0)
     with pytest.raises(ValueError, match="float32"):
-        module.kv_write(pool.astype(mx.float16), pool, qkv, index, 1)
+        module.kv_write(pool.astype(mx.float16), qkv, index, 1, 0)
+    with pytest.raises(ValueError, match="part"):
+        module.kv_write(pool, qkv, index, 1, 2)
+
+
+def test_kv_write_writes_a_pool_nothing_else_holds_in_place():
+    """Step after step, the pool goes from node to node without a copy (a copy of every pool every
+    step would cost more than the step); a pool still held is copied and left as it was."""
+    from slotinfer.kv.paged_attention import write_index
+
+    pool, qkv = mx.zeros((256, 2, 128, 64)), mx.ones((1, 1, 8 * 64))  # 16 MiB
+    index = write_index(mx.array([[3]]), mx.array([[5]]), kv_heads=2, block_size=128, head_dim=64, num_blocks=256)
+    mx.eval(pool, qkv, index)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for part in (0, 1, 0):
+        pool = module.kv_write(pool, qkv, index, 4, part)
+        mx.eval(pool)
+    assert mx.get_peak_memory() < before + pool.nbytes // 2
+    held = pool
+    mx.reset_peak_memory()
+    written = module.kv_write(held, qkv * 2, index, 4, 0)
+    mx.eval(written)
+    assert mx.get_peak_memory() >= before + pool.nbytes
+    assert float(held[3, 0, 5, 0]) == 1.0 and float(written[3, 0, 5, 0]) == 2.0

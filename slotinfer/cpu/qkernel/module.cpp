@@ -9,7 +9,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
-#include <nanobind/stl/vector.h>
 
 #include "pool.h"
 #include "prefill_attention.h"
@@ -51,11 +50,11 @@ NB_MODULE(_qkernel, m) {
   m.def("attend_out", &attend_out, "qkv"_a, "keys"_a, "values"_a, "tables"_a, "mask"_a, "w_o"_a, "fmt_o"_a, "x"_a,
         "heads"_a, "scale"_a, "softcap"_a = 0.0f, nb::kw_only(), "stream"_a = nb::none(),
         "x + o(attention of qkv's queries over the blocks tables [B, n] of the pools, under mask)");
-  m.def("kv_write", &kv_write, "keys"_a, "values"_a, "qkv"_a, "index"_a, "heads"_a, nb::kw_only(),
+  m.def("kv_write", &kv_write, "pool"_a, "qkv"_a, "index"_a, "heads"_a, "part"_a, nb::kw_only(),
         "stream"_a = nb::none(),
-        "(keys, values) with the K and V of qkv [B, 1, (heads + 2 kv_heads) D] written at index (flat offsets, "
-        "[B * kv_heads * D]) into float32 pools [blocks, kv_heads, block_size, D]; in place where nothing "
-        "else holds a pool");
+        "the float32 pool [blocks, kv_heads, block_size, D] with the K (part 0) or V (part 1) of qkv "
+        "[B, 1, (heads + 2 kv_heads) D] written at index (flat offsets, [B * kv_heads * D]); in place where "
+        "nothing else holds the pool");
   m.def("mlp_block", &mlp_block, "h"_a, "w_norm"_a, "eps"_a, "w_gate_up"_a, "fmt_gate_up"_a, "w_down"_a, "fmt_down"_a,
         "activation"_a = "silu", nb::kw_only(), "stream"_a = nb::none(),
         "h + down(act(gate) * up) of rms_norm(h) * w_norm, gate | up from w_gate_up (act: silu or gelu_tanh)");

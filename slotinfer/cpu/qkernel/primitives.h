@@ -33,10 +33,10 @@ mx::array qkv_rope(const mx::array& x, const mx::array& w_norm, float eps, const
 mx::array attend_out(const mx::array& qkv, const mx::array& keys, const mx::array& values, const mx::array& tables,
                      const mx::array& mask, const mx::array& w_o, const std::string& fmt_o, const mx::array& x,
                      int heads, float scale, float softcap, mx::StreamOrDevice s);
-// The step's K and V from qkv written into float32 pools at index (flat offsets): the pools written,
-// in place where nothing else holds them.
-std::vector<mx::array> kv_write(const mx::array& keys, const mx::array& values, const mx::array& qkv,
-                                const mx::array& index, int heads, mx::StreamOrDevice s);
+// The step's K (part 0) or V (part 1) from qkv written into a float32 pool at index (flat offsets): the
+// pool written, in place where nothing else holds it.
+mx::array kv_write(const mx::array& pool, const mx::array& qkv, const mx::array& index, int heads, int part,
+                   mx::StreamOrDevice s);
 mx::array mlp_block(const mx::array& h, const mx::array& w_norm, float eps, const mx::array& w_gate_up,
                     const std::string& fmt_gate_up, const mx::array& w_down, const std::string& fmt_down,
                     const std::string& activation, mx::StreamOrDevice s);
