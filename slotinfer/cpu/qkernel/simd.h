@@ -100,6 +100,22 @@ QK_AVX512_TARGET QK_INL __m256i q6k_bytes_vl(const uint8_t* blk) {
   return _mm256_sub_epi8(_mm256_ternarylogic_epi32(lo, hi, _mm256_set1_epi8(0x0f), 0xEC), _mm256_set1_epi8(32));
 }
 
+// Q4_K's eight 6-bit sc then eight m as 16 bytes (q4_k_unpack's bytes) from the 12 packed bytes at
+// s, in a few byte shuffles: the 16 bytes at s are read (the super-block goes on past them).
+QK_AVX512_TARGET QK_INL __m128i q4_k_unpack_vl(const uint8_t* s) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const char z = -128;  // a pshufb index that gives 0
+  // the low bits: sc 0..3 = s[0..3] & 63, sc 4..7 = s[8..11] & 15, m 0..3 = s[4..7] & 63, m 4..7 = s[8..11] >> 4
+  const __m128i low = _mm_and_si128(_mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, z, z, z, z)),
+                                    _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  const __m128i nib = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0f)),
+                                       _mm_setr_epi8(z, z, z, z, z, z, z, z, z, z, z, z, 8, 9, 10, 11));
+  // the high bits of sc 4..7 and m 4..7: the top two bits of s[0..3] and of s[4..7], at bits 4 and 5
+  const __m128i top = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)),
+                                       _mm_setr_epi8(z, z, z, z, 0, 1, 2, 3, z, z, z, z, 4, 5, 6, 7));
+  return _mm_ternarylogic_epi32(low, nib, top, 0xFE);  // low | nib | top
+}
+
 struct Avx2 {
   static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 1;
   using V = __m256;
@@ -244,12 +260,9 @@ struct Avx512 {
   template <Format F>  // a K-quant super-block's factors (KScales), 16 at a time
   static QK_AVX512_TARGET QK_INL void k_scales(const uint8_t* blk, KScales& ks) {
     if constexpr (F == Format::Q4_K) {
-      alignas(16) uint8_t u[16];
-      q4_k_unpack(blk + 4, u);
       const __m512 f = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(load_half(blk))),
                                                             _mm256_castps_pd(_mm256_set1_ps(load_half(blk + 2))), 1));
-      _mm512_storeu_ps(ks.a, _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                  _mm_load_si128(reinterpret_cast<const __m128i*>(u))))));
+      _mm512_storeu_ps(ks.a, _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4_k_unpack_vl(blk + 4)))));
     } else {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
       _mm512_storeu_ps(ks.a, _mm512_mul_ps(_mm512_set1_ps(load_half(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))));
