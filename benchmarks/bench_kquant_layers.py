@@ -15,12 +15,12 @@ read per second of CPU time.  The files alternate, ``--rounds`` rounds.
 
 import argparse
 import collections
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import slotinfer  # noqa: F401 - first: installs the BLAS before mlx.core loads
+import slotinfer  # first: installs the BLAS before mlx.core loads
 import gguf
 import mlx.core as mx
 import numpy as np
