@@ -6,10 +6,9 @@ edited, a JSON document being rewritten and quotations all repeat long spans of 
 these continuations are exactly those spans.
 
 By default ``n`` goes from 5 down to 1: replayed over the copy-heavy prompts' outputs with the
-engine's gate and the measured cost of each step, single-token matches and 5-grams drafted
-1.03-1.04x faster than ``n`` from 4 down to 2 (also on the 24 prompts the benchmark's single stream
-does not run), and no slower on the prompts with nothing to copy: the gate shuts on a row whose
-short matches keep missing.
+engine's gate and measured step costs (``benchmarks/spec_replay.py`` against ``--max-n 4 --min-n
+2``), single-token matches and 5-grams draft 1.02-1.03x faster than ``n`` from 4 down to 2, and as
+fast on the prompts with nothing to copy: the gate shuts on a row whose short matches keep missing.
 
 The index is incremental: appending a token registers the n-grams it completes a continuation
 for, so a step costs O(max_n - min_n) dictionary operations however long the row is.
