@@ -16,7 +16,8 @@ runs of each: tokens/s and TTFT p50, and their ratios.  Beside
 them, the CPU time each side's processes took per generated token (the server's process; the
 replica's, the ingress's and Serve's HTTP proxy's): a figure the machine's other work moves far
 less than the wall-clock ones.  ``--stream-interval N``: the replica sends a row's tokens N a
-message (``serve_app``'s ``stream_interval``).
+message (``serve_app``'s ``stream_interval``); ``--stream-hold-ms MS``: how long it holds a row's tokens
+after the first to send them together (``serve_app``'s ``stream_hold_ms``, default 50; 0: at once).
 
     python benchmarks/bench_ray_serve.py
     python benchmarks/bench_ray_serve.py --part routing --routing prefix,round_robin
@@ -61,12 +62,14 @@ class Fleet:
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def run(self, model, replicas: int, routing: str, slots: int, max_len: int, stream_interval: int = 1):
+    def run(self, model, replicas: int, routing: str, slots: int, max_len: int, stream_interval: int = 1,
+            stream_hold_ms: float | None = None):
         import slotinfer.ray as sr
 
         threads = max(1, self.cores // replicas)  # each engine's BLAS threads: the cores split between them
         app = sr.serve_app(model, replicas=replicas, routing=routing, slots=slots, max_queue=0, max_len=max_len,
                            stream_interval=stream_interval,
+                           **({} if stream_hold_ms is None else {"stream_hold_ms": stream_hold_ms}),
                            num_cpus=min(1.0, (self.cores - 0.5) / replicas), ingress_cpus=0.25,
                            replica_options={"runtime_env": {"env_vars": {"SLOTINFER_BLAS_THREADS": str(threads)}}})
         t0 = time.perf_counter()
@@ -165,7 +168,7 @@ def _cpu(pids) -> float:
 def overhead_part(args, fleet):
     from slotinfer.serve.app import default_name
 
-    fleet.run(args.model, 1, "prefix", args.slots, args.max_len, args.stream_interval)
+    fleet.run(args.model, 1, "prefix", args.slots, args.max_len, args.stream_interval, args.stream_hold_ms)
     server = ServerProcess(args.model, args.slots, args.max_len)
     roles = _processes(server)
     sides = {"serve": ["serve"], "ray": ["replica", "ingress", "proxy"]}
@@ -228,6 +231,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="overhead: runs of each side")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="overhead: tokens a row per message from the replica (serve_app's stream_interval)")
+    ap.add_argument("--stream-hold-ms", type=float, default=None,
+                    help="overhead: how long the replica holds a row's tokens after the first "
+                         "(serve_app's stream_hold_ms; default its own, 50)")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="CPUs the local cluster declares")
     args = ap.parse_args()
     if args.model is None:
@@ -236,6 +242,7 @@ def main():
         args.model = str(default_model.path())
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; model {os.path.basename(args.model)}; "
           f"{args.slots} slots per engine; stream interval {args.stream_interval}; "
+          f"stream hold {'default' if args.stream_hold_ms is None else args.stream_hold_ms} ms; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     fleet = Fleet(args.cores)
     try:

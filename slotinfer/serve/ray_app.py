@@ -33,14 +33,21 @@ ROUTERS = {"prefix": "slotinfer.serve.routing:PrefixRouter",
            "pow2": "slotinfer.serve.routing:Pow2Router"}  # Serve's own (power of two choices by queue length), pinning
 DEFAULT_MAX_LEN = 2048
 HOLD_MAX_S = 0.5  # the longest a replica holds a row's tokens to send more at once (stream_interval > 1)
+# How long a replica holds a streamed row's tokens after the first, to send what came meanwhile in one
+# message.  Each message costs CPU in the replica, the ingress and Serve's proxy: on the 2-core machine,
+# held 50 ms a single stream ran at 0.96x one server's tokens/s, sent at once 0.74x
+# (benchmarks/bench_ray_serve.py --part overhead; docs/scale-out.md).  Ray Serve LLM holds 50 ms by
+# default too (its stream_batching_interval_ms).
+STREAM_HOLD_MS = 50.0
 STATS_PERIOD_S = 1.0  # how often each replica reports its queue depth and free K/V blocks to the routers
 
 
 class Replica:
     """One Inferencer over ``model``; ``engine``: the Inferencer's keyword arguments."""
 
-    def __init__(self, model: str, engine: dict, stream_interval: int = 1):
+    def __init__(self, model: str, engine: dict, stream_interval: int = 1, stream_hold_ms: float = STREAM_HOLD_MS):
         self.stream_interval = stream_interval
+        self.hold_s = stream_hold_ms / 1000.0
         loaded = slotinfer.load(model)
         engine = {"max_len": min(DEFAULT_MAX_LEN, loaded.context_length), **engine}  # as slotinfer serve's
         self.inf = slotinfer.Inferencer(loaded, **engine)
@@ -64,11 +71,11 @@ class Replica:
         ("accepted", replica) first, or ("error", exception) alone when the rows were refused; then
         lists of items, in order: ("event", row, StreamEvent) per token, ("done", row, Completion) or
         ("error", row, exception) per row, and ("stats", replica, stats) last.  Each list holds what
-        came since the last one was sent: one item while the caller keeps up, several when tokens
-        came faster than the messages went (a message per item would fall further behind), never
-        waiting for more, unless the replica's ``stream_interval`` is N > 1: then, after the first
-        token, a list is sent once it holds N tokens a row, or a row ended, or HOLD_MAX_S passed
-        (fewer messages for as many tokens: less CPU in the ingress and Serve's proxy).  ``route``
+        came since the last one was sent: the first token goes at once; after it a list is held
+        for the replica's ``stream_hold_ms`` from its first item, so that what comes meanwhile
+        goes in one message (fewer messages for as many tokens: less CPU in the replica, the
+        ingress and Serve's proxy), and with ``stream_interval`` N > 1 also until it holds N tokens a
+        row (at most HOLD_MAX_S); a row's end is sent at once.  ``route``
         and ``blocks`` are the router's (the first prompt's block hashes, the blocks the rows
         need); ``call``: a name the caller gives the call, for :meth:`cancel_rows`.  Closing the stream (the caller cancelled it, or went away) cancels
         the rows still running: Serve raises CancelledError here at the ``yield``."""
@@ -95,8 +102,8 @@ class Replica:
             left, batch, first, since = len(handles), [], True, 0.0
             while left:
                 try:
-                    if batch:  # held for more tokens: not past HOLD_MAX_S
-                        wait = since + HOLD_MAX_S - asyncio.get_running_loop().time()
+                    if batch:  # held for more tokens: until its deadline
+                        wait = since + self._hold(batch, left) - asyncio.get_running_loop().time()
                         batch.append(await asyncio.wait_for(events.get(), max(wait, 0.0)))
                     else:
                         batch.append(await events.get())
@@ -107,8 +114,8 @@ class Replica:
                     while not events.empty():
                         batch.append(events.get_nowait())
                     ended = sum(item[0] != "event" for item in batch)
-                    if self.stream_interval > 1 and not (first or ended) and len(batch) < self.stream_interval * left:
-                        continue  # fewer than stream_interval tokens a row yet: held for more
+                    if not (first or ended) and asyncio.get_running_loop().time() < since + self._hold(batch, left):
+                        continue  # held for more
                     left -= ended
                 if not left:
                     batch.append(("stats", self.id, self.inf.stats()))
@@ -120,6 +127,13 @@ class Replica:
             self.rows_cancelled += sum(_stop(h) for h in handles)
             for p in pumps:
                 p.cancel()
+
+    def _hold(self, batch: list, left: int) -> float:
+        """How long after its first item ``batch`` is held: ``stream_hold_ms``, or HOLD_MAX_S while it
+        has fewer than ``stream_interval`` tokens for each of the ``left`` rows."""
+        if self.stream_interval > 1 and len(batch) < self.stream_interval * left:
+            return max(self.hold_s, HOLD_MAX_S)
+        return self.hold_s
 
     async def cancel_rows(self, call: str, rows: list[int], pin: str | None = None) -> int:
         """Stop rows ``rows`` (indices) of the streaming call named ``call``, the call's other rows running
@@ -240,7 +254,7 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
               routing: str = "prefix", slots: int = 32, max_queue: int = 64, max_len: int | None = None,
               engine: dict | None = None, num_cpus: float = 1.0, num_gpus: float = 0, replica_options: dict | None = None,
               api_key: str | None = None, ingress_replicas: int = 1, ingress_cpus: float = 0.5, stream_interval: int = 1,
-              **shell):
+              stream_hold_ms: float = STREAM_HOLD_MS, **shell):
     """A Ray Serve application of slotinfer replicas, for ``serve.run`` (or a Serve config file's
     ``import_path``).
 
@@ -252,8 +266,10 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
     ``slots``, ``max_queue``, ``max_len`` and ``engine`` (more Inferencer arguments) configure each
     replica's Inferencer; ``num_cpus``/``num_gpus``: what each replica asks Ray for, and
     ``replica_options`` more of its Ray actor options (``runtime_env``, ``resources``).
-    ``stream_interval=N``: a replica sends a streamed row's tokens N at a time (the first at once),
-    for less CPU per token in the ingress and Serve's proxy at the cost of burstier streams.  The rest
+    ``stream_hold_ms``: how long a replica holds a streamed row's tokens after the first, to send
+    those that come meanwhile in one message (default 50; 0: each as it comes), and
+    ``stream_interval=N``: also until it holds N of them (at most 0.5 s); both trade smoother streams
+    for less CPU per token in the replica, the ingress and Serve's proxy.  The rest
     (``api_key``, ``max_body_bytes``, ``read_timeout``, ``retry_after``) configure the routes, as
     :func:`~slotinfer.serve.build_app`'s.
     """
@@ -273,6 +289,8 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
             raise InvalidRequestError(f"autoscale must be (MIN, MAX) with 1 <= MIN <= MAX, got {autoscale!r}")
     if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
         raise InvalidRequestError(f"stream_interval must be an int >= 1 (tokens a message), got {stream_interval!r}")
+    if isinstance(stream_hold_ms, bool) or not isinstance(stream_hold_ms, (int, float)) or not 0 <= stream_hold_ms <= 10_000:
+        raise InvalidRequestError(f"stream_hold_ms must be a number of milliseconds from 0 to 10000, got {stream_hold_ms!r}")
     if routing not in ROUTERS:
         raise InvalidRequestError(f"routing must be one of {sorted(ROUTERS)}, got {routing!r}")
     engine = dict(engine or {}, slots=slots, max_queue=max_queue)
@@ -291,7 +309,7 @@ def serve_app(model, *, replicas: int | None = None, autoscale: tuple[int, int] 
                                       ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus,
                                                          **(replica_options or {})},
                                       request_router_config=router, health_check_period_s=2, **scale)
-        bound[name] = deployment.bind(path, engine, stream_interval)
+        bound[name] = deployment.bind(path, engine, stream_interval, float(stream_hold_ms))
     ingress = serve.deployment(serve.ingress()(Ingress), name="slotinfer-ingress", num_replicas=ingress_replicas,
                                max_ongoing_requests=10_000, ray_actor_options={"num_cpus": ingress_cpus})
     return ingress.bind(bound, paths, dict(shell, api_key=api_key))

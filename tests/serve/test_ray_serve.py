@@ -133,6 +133,23 @@ def test_the_other_routes_run_on_the_replicas(fleet, model):
     assert r.status_code == 200 and r.json()["type"] == "message" and 1 <= r.json()["usage"]["output_tokens"] <= 4
 
 
+def test_a_replica_holds_a_streams_tokens_to_send_them_together(fleet, model):
+    """By default a replica holds a streamed row's tokens 50 ms after the first and sends what came
+    meanwhile as one message: fewer messages than tokens, the tokens all there in order."""
+    handle = serve.get_deployment_handle("slotinfer-qwen3", app_name="slotinfer")
+    row = (model.encode_prompt(_system(5, 4)), {"max_tokens": 24, "ignore_eos": True})
+
+    async def read():
+        return [item async for item in handle.options(stream=True).generate.remote([row])]
+
+    items = asyncio.run(read())
+    assert items[0][0] == "accepted" and items[-1][-1][0] == "stats"
+    batches = [[ev.token for kind, _, ev in batch if kind == "event"] for batch in items[1:]]
+    [done] = [c for batch in items[1:] for kind, _, c in batch if kind == "done"]
+    assert batches[0] and sum(batches, []) == done.tokens and len(done.tokens) == 24
+    assert len(batches) < 12, batches  # a 24-token row in a few messages: the tiny model decodes in ms
+
+
 def test_a_chats_later_turns_land_where_its_first_did(client):
     """Four chats with distinct system prompts: each later turn finds its conversation's K/V in the cache
     of the replica that served the turn before (a blind balancer would miss about half of them)."""
@@ -191,6 +208,13 @@ def test_bad_configuration_is_a_clear_error_at_start(model_path, tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         main(["serve", model_path, "--ray", "--stream-interval", "0"])
     assert e.value.code == 2 and "--stream-interval" in capsys.readouterr().err
+    for bad in (-1, "50", True, 20_000):
+        with pytest.raises(slotinfer.InvalidRequestError, match="stream_hold_ms must be a number"):
+            sr.serve_app(model_path, replicas=1, stream_hold_ms=bad)
+    for argv in (["--ray", "--stream-hold-ms", "-5"], ["--stream-hold-ms", "10"]):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", model_path, *argv])
+        assert e.value.code == 2 and "--stream-hold-ms" in capsys.readouterr().err
 
 
 def test_several_models_under_their_names(model):
