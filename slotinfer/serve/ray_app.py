@@ -35,9 +35,9 @@ DEFAULT_MAX_LEN = 2048
 HOLD_MAX_S = 0.5  # the longest a replica holds a row's tokens to send more at once (stream_interval > 1)
 # How long a replica holds a streamed row's tokens after the first, to send what came meanwhile in one
 # message.  Each message costs CPU in the replica, the ingress and Serve's proxy: on the 2-core machine,
-# held 50 ms a single stream ran at 0.96x one server's tokens/s, sent at once 0.74x
-# (benchmarks/bench_ray_serve.py --part overhead; docs/scale-out.md).  Ray Serve LLM holds 50 ms by
-# default too (its stream_batching_interval_ms).
+# held 50 ms a single stream ran at 0.94x one server's tokens/s and 8 at 0.84x, sent at once 0.79x and
+# 0.78x (benchmarks/bench_ray_serve.py --part overhead; docs/scale-out.md).  Ray Serve LLM holds 50 ms
+# by default too (its stream_batching_interval_ms).
 STREAM_HOLD_MS = 50.0
 STATS_PERIOD_S = 1.0  # how often each replica reports its queue depth and free K/V blocks to the routers
 
