@@ -7,9 +7,8 @@ RMSNorm, rope and attention.  :func:`block` computes it as the extension's ``qkv
 extension's ``kv_write`` into the engine's float32 pools, a node a pool where MLX's slices, reshapes
 and scatters took six; MLX scatters elsewhere; both write the pools in place), ``attend_out`` (paged
 attention, o and the residual) and ``mlp_block`` (RMSNorm, gate|up, the activation, down and the
-residual).  They
-compose the loops the separate nodes run, in their order, so they give their values bit for bit
-(the activation is the CPU ops' arithmetic, :mod:`.ops`).
+residual).  They compose the loops the separate nodes run, in their order, so they give their
+values bit for bit (the activation is the CPU ops' arithmetic, :mod:`.ops`).
 
 It applies where the context offers it (``ctx.fused_rope_tables``: the engine's paged decode view, and
 the single-sequence reference's decode of one token, so that "alone" still equals "batched") and
