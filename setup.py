@@ -49,10 +49,10 @@ QKERNEL = "slotinfer.cpu.qkernel._qkernel"
 QKERNEL_DIR = os.path.join("slotinfer", "cpu", "qkernel")
 if sys.platform == "linux":
     # sources, include dirs and the mlx library are filled in by BuildExt once mlx and nanobind import
-    # module.cpp: the nanobind module; primitives.cpp: the MLX primitives; the headers: the thread
+    # module.cpp: the nanobind module; primitives.cpp: the MLX primitives (kv_write.cpp: the K/V writes); the headers: the thread
     # pool (pool.h), the primitives' base (rowwise.h) and the loops (kernels.h and what it includes)
     QKERNEL_SOURCES = [os.path.join(QKERNEL_DIR, f) for f in ("module.cpp", "primitives.cpp",
-                                                                   "prefill_attention.cpp")]
+                                                                   "kv_write.cpp", "prefill_attention.cpp")]
     QKERNEL_HEADERS = [os.path.join(QKERNEL_DIR, f) for f in ("attend_simd.h", "decode_ops.h", "kernels.h", "kernels_i8.h", "loops.h", "loops_i8.h", "pool.h",
                                                                "prefill_attention.h", "prefill_loops.h", "primitives.h",
                                                                "qkernels.h", "rowwise.h", "simd.h")]

@@ -97,16 +97,30 @@ def without(pairs, slots: int, costs) -> float:
     return ms
 
 
+def _rows(drafter, pairs):
+    """``drafter`` and a drafting row for each (prompt, output), holding the output's first token (the
+    prefill's): ``[row, output, tokens taken]``."""
+    rows = []
+    for prompt, out in pairs:
+        row = drafter.row(prompt)
+        drafter.append(row, out[:1])
+        rows.append([row, out, 1])
+    return drafter, rows
+
+
+def _right(draft, out, n: int) -> int:
+    """How many of ``draft``'s first tokens equal the output's from position ``n`` on."""
+    a = 0
+    while a < len(draft) and out[n + a] == draft[a]:
+        a += 1
+    return a
+
+
 def replay(pairs, slots: int, make_drafter, costs, sync_ms: float) -> tuple[float, dict]:
     """(ms, counts) of the engine's drafting over ``pairs``, ``slots`` of them live at once."""
     total, counts = 0.0, {"steps": 0, "drafted": 0, "accepted": 0}
     for start in range(0, len(pairs), slots):
-        drafter = make_drafter()
-        rows = []
-        for prompt, out in pairs[start:start + slots]:
-            row = drafter.row(prompt)
-            drafter.append(row, out[:1])
-            rows.append([row, out, 1])
+        drafter, rows = _rows(make_drafter(), pairs[start:start + slots])
         while live := [r for r in rows if r[2] < len(r[1])]:
             wait = not drafter.cost.compute_bound(len(live)) and any(drafter.may_draft(r[0]) for r in live)
             drafts = drafter.step([r[0] for r in live], len(live), [len(out) - n - 1 for _, out, n in live])
@@ -118,9 +132,7 @@ def replay(pairs, slots: int, make_drafter, costs, sync_ms: float) -> tuple[floa
             counts["steps"] += 1
             for r, draft in zip(live, drafts):
                 row, out, n = r
-                a = 0
-                while a < len(draft) and out[n + a] == draft[a]:
-                    a += 1
+                a = _right(draft, out, n)
                 drafter.append(row, out[n:n + a + 1])
                 r[2] = n + a + 1
                 counts["drafted"] += len(draft)
@@ -134,12 +146,7 @@ def oracle(pairs, slots: int, make_drafter, costs, budget: int) -> float:
     """ms with each row drafting exactly the right prefix of its sources' best draft."""
     total = 0.0
     for start in range(0, len(pairs), slots):
-        drafter = make_drafter()
-        rows = []
-        for prompt, out in pairs[start:start + slots]:
-            row = drafter.row(prompt)
-            drafter.append(row, out[:1])
-            rows.append([row, out, 1])
+        drafter, rows = _rows(make_drafter(), pairs[start:start + slots])
         while live := [r for r in rows if r[2] < len(r[1])]:
             right = []
             for row, out, n in live:
@@ -148,10 +155,7 @@ def oracle(pairs, slots: int, make_drafter, costs, budget: int) -> float:
                     if source.name not in row.acceptance:
                         continue
                     draft = source.propose(row, min(drafter.cost.max_k, len(out) - n - 1))
-                    a = 0
-                    while a < len(draft) and out[n + a] == draft[a]:
-                        a += 1
-                    best = max(best, a)
+                    best = max(best, _right(draft, out, n))
                 right.append(best)
             ks, positions = [0] * len(live), len(live)
             while positions < budget:

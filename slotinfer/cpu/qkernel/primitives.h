@@ -18,6 +18,10 @@ inline int g_threads = 1;
 inline int g_spare_rows = 0;  // products of at most this many rows leave a core free (primitives.cpp, run); 0: none
 
 Format parse_format(const std::string& name);
+// The input checks the primitives' functions share: a stream on the CPU (else invalid_argument naming
+// `what`), and a float32 array.
+mx::StreamOrDevice cpu_only(mx::StreamOrDevice s, const char* what);
+void need_f32(const mx::array& a, const char* what);
 
 // spare: the product may leave a core to the other threads at a few rows (g_spare_rows, primitives.cpp's run)
 mx::array qlinear(const mx::array& x, const mx::array& w, const std::string& format, bool spare, mx::StreamOrDevice s);
