@@ -287,6 +287,44 @@ def test_attend_out_is_the_same_on_any_thread_count(kernels, threads, b, kv, man
     assert mx.array_equal(*got).item()
 
 
+@given(b=st.integers(52, 64), many=st.sampled_from([2, 3]), bias=st.booleans(), qk_norm=st.booleans(),
+       act=st.sampled_from(["silu", "gelu_tanh"]), seed=st.integers(0, 2**16))
+def test_row_local_work_is_the_same_on_any_thread_count(kernels, threads, b, many, bias, qk_norm, act, seed):
+    """Enough rows that the norms, rope, activations and residual adds go to the pool's threads in
+    pieces of rows (past ~16k floats): every node's result at 2 or 3 threads is its one-thread
+    result bit for bit (the rows of a piece start where they should, whatever the split)."""
+    rng = np.random.default_rng(seed)
+    kvh, rep, d, hid, n, bs, nblk = 1, 3, 64, 576, 384, 16, 2
+    heads = kvh * rep
+    x, wn = mx.array(normal(rng, b, 1, hid)), mx.array(normal(rng, hid))
+    wqkv, wo = quantized(rng, (heads + 2 * kvh) * d, hid, "Q4_1"), quantized(rng, hid, heads * d, "Q8_0")
+    wgu, wd = quantized(rng, 2 * n, hid, "Q4_0"), quantized(rng, hid, n, "Q8_0")
+    blocks = 2 + nblk * b
+    keys, values = mx.array(normal(rng, blocks, kvh, bs, d)), mx.array(normal(rng, blocks, kvh, bs, d))
+    tables = mx.array(rng.permutation(np.arange(2, blocks)).reshape(b, nblk).astype(np.int32))
+    mask = mx.array(np.arange(nblk * bs)[None] <= rng.integers(0, nblk * bs, size=b)[:, None])
+    r = normal(rng, b, 1, 1, d)
+    cos, sin = mx.array(r)[..., : d // 2], mx.array(r)[..., d // 2:]
+    extra = dict(qkv_bias=mx.array(normal(rng, (heads + 2 * kvh) * d)) if bias else None,
+                 qk_norm=mx.array(normal(rng, heads + kvh, d)) if qk_norm else None)
+    q = mx.array(normal(rng, b, heads + kvh, 1, d))
+
+    def nodes():
+        qkv = module.qkv_rope(x, wn, 1e-5, wqkv, "q4_1", cos, sin, heads, kvh, **extra)
+        return [qkv, module.attend_out(qkv, keys, values, tables, mask, wo, "q8_0", x, heads, d ** -0.5),
+                module.mlp_block(x, wn, 1e-6, wgu, "q4_0", wd, "q8_0", act),
+                module.rms_norm(x, wn, 1e-5), module.rope_apply(q, cos, sin)]
+
+    threads(1)
+    alone = nodes()
+    mx.eval(alone)
+    threads(many)
+    shared = nodes()
+    mx.eval(shared)
+    for name, one, split in zip(("qkv_rope", "attend_out", "mlp_block", "rms_norm", "rope_apply"), alone, shared):
+        assert mx.array_equal(one, split).item(), name
+
+
 @given(rows=st.integers(1, 6), act=st.sampled_from(["silu", "gelu_tanh"]), seed=st.integers(0, 2**16))
 def test_mlp_block_is_its_separate_nodes(kernels, rows, act, seed):
     """RMSNorm, gate|up, the activation of the CPU ops, down and the residual add as one node: the
