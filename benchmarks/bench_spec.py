@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import slotinfer  # noqa: E402,F401  before MLX: slotinfer swaps in its BLAS
 import mlx.core as mx  # noqa: E402
 from slotinfer import default_model  # noqa: E402
-from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, SYNC_COST, Engine  # noqa: E402
+from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, STEP_COSTS, SYNC_COST, Engine  # noqa: E402
 from slotinfer.engine.decoder import row_bucket  # noqa: E402
 from slotinfer.engine.verify import EXACT_ROWS  # noqa: E402
 from slotinfer.spec import CostModel, Drafter  # noqa: E402
@@ -160,10 +160,12 @@ def load_sets(model, gen):
     }
 
 
-def run(engine, reqs, draft_tokens, position_cost, bandwidth_rows, sync_cost=SYNC_COST):
+def run(engine, reqs, draft_tokens, position_cost, bandwidth_rows, sync_cost=SYNC_COST, line=False):
+    """``line``: the gate's cost is the line of ``position_cost``, not the engine's table of steps."""
     if engine.speculative:
         engine.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,
-                                                bandwidth_rows=bandwidth_rows, sync_cost=sync_cost))
+                                                bandwidth_rows=bandwidth_rows, sync_cost=sync_cost,
+                                                step_costs=() if line else STEP_COSTS))
     for k in ("steps", "spec_passes", "spec_drafted", "spec_accepted", "decode_tokens"):
         engine.counters[k] = 0
     items = [engine.make_item(ids, **params) for ids, params in reqs]
@@ -200,7 +202,8 @@ def main():
     ap.add_argument("--only", help="run the workloads whose name contains this")
     ap.add_argument("--skip-calibration", action="store_true", help="the workloads only")
     ap.add_argument("--budgets", help="comma-separated positions-per-step budgets (bandwidth_rows) to run "
-                                      "side by side in each round, each against off")
+                                      "side by side in each round, each against off; a budget ending in L "
+                                      "(4L) prices steps by the line of --position-cost, not the engine's table")
     ap.add_argument("--calibrate-rows", type=int, metavar="LIVE",
                     help="the verify step's cost with LIVE slots and drafts shared among them, then stop")
     args = ap.parse_args()
@@ -232,9 +235,10 @@ def main():
           f"position_cost {args.position_cost}, bandwidth_rows {args.bandwidth_rows}, sync_cost {args.sync_cost}")
     print(f"{'workload':<28} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} {'accept':>6} {'tok/pass':>8} "
           f"{'steps off/on':>12}")
-    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else [args.bandwidth_rows]
+    budgets = [(int(b.rstrip("L")), b.endswith("L")) for b in args.budgets.split(",")] if args.budgets \
+        else [(args.bandwidth_rows, False)]
     syncs = [float(x) for x in args.sync_costs.split(",")] if args.sync_costs else [args.sync_cost]
-    variants = [(b, x) for b in budgets for x in syncs]  # each against off
+    variants = [(b, line, x) for b, line in budgets for x in syncs]  # each against off
     for name, (slots, reqs) in sets.items():
         if args.only and args.only not in name:
             continue
@@ -242,15 +246,16 @@ def main():
         engines = {m: Engine(model, slots=slots, max_len=max_len, prefill_tokens=512,
                              speculative="ngram" if m else None, draft_tokens=args.draft_tokens,
                              position_cost=args.position_cost) for m in (False, True)}
-        modes = [None, *variants]  # None: off; else on, with (most positions a step, sync cost)
+        modes = [None, *variants]  # None: off; else on, with (most positions a step, line, sync cost)
         ratios = {v: [] for v in variants}
         rates = {m: [] for m in modes}
         steps, stats = {}, {}
         for r in range(args.rounds + 1):
             got = {}
             for m in modes[r % len(modes):] + modes[:r % len(modes)]:  # each round starts one further on
-                budget, sync = m or (1, 0.0)
-                rate, outs, c = run(engines[m is not None], reqs, args.draft_tokens, args.position_cost, budget, sync)
+                budget, line, sync = m or (1, False, 0.0)
+                rate, outs, c = run(engines[m is not None], reqs, args.draft_tokens, args.position_cost, budget, sync,
+                                    line)
                 got[m] = (rate, outs)
                 steps[m], stats[m] = c["steps"], c
             if any(got[m][1] != got[None][1] for m in variants):
@@ -265,7 +270,8 @@ def main():
             st = stats[v]
             acc = st["spec_accepted"] / st["spec_drafted"] if st["spec_drafted"] else 0.0
             per = (st["spec_accepted"] + st["spec_passes"]) / st["spec_passes"] if st["spec_passes"] else 1.0
-            label = name + (f", budget {v[0]}" if len(budgets) > 1 else "") + (f", sync {v[1]}" if len(syncs) > 1 else "")
+            label = (name + (f", budget {v[0]}" + (" line" if v[1] else "") if len(budgets) > 1 else "")
+                     + (f", sync {v[2]}" if len(syncs) > 1 else ""))
             print(f"{label:<28} {statistics.median(rates[None]):9.1f} {statistics.median(rates[v]):9.1f} "
                   f"{statistics.median(ratios[v]):6.2f} {acc:6.2f} {per:8.2f} {steps[None]:>5}/{steps[v]:<6} "
                   f"ratios {', '.join(f'{x:.2f}' for x in ratios[v])}", flush=True)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import slotinfer  # noqa: E402,F401  before MLX: slotinfer swaps in its BLAS
 from slotinfer import default_model  # noqa: E402
-from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, SYNC_COST, Engine  # noqa: E402
+from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, STEP_COSTS, SYNC_COST, Engine  # noqa: E402
 from slotinfer.spec import CostModel, Drafter, PromptLookup  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "spec_prompts.jsonl"
@@ -183,6 +183,8 @@ def main():
     ap.add_argument("--max-n", type=int, default=PromptLookup().max_n)
     ap.add_argument("--min-n", type=int, default=PromptLookup().min_n)
     ap.add_argument("--costs", help="comma-separated ms of a step of 1, 2, ... positions (default: the module's)")
+    ap.add_argument("--line", action="store_true", help="the gate's cost as the line of --position-cost, not the "
+                    "engine's table of measured steps")
     ap.add_argument("--sync-ms", type=float, default=SYNC_MS, help="what reading the step before back first adds")
     args = ap.parse_args()
     costs = tuple(float(x) for x in args.costs.split(",")) if args.costs else COSTS
@@ -193,9 +195,10 @@ def main():
     def make():
         return Drafter(lookup=PromptLookup(max_n=args.max_n, min_n=args.min_n),
                        cost=CostModel(position_cost=args.position_cost, max_k=8, bandwidth_rows=args.budget,
-                                      sync_cost=args.sync_cost))
+                                      sync_cost=args.sync_cost, step_costs=() if args.line else STEP_COSTS))
 
-    print(f"lookup n {args.max_n}..{args.min_n}, budget {args.budget} positions, position_cost {args.position_cost}, "
+    gate = f"the line of position_cost {args.position_cost}" if args.line else "the engine's table of steps"
+    print(f"lookup n {args.max_n}..{args.min_n}, budget {args.budget} positions, gate cost {gate}, "
           f"sync_cost {args.sync_cost}; step costs {costs[:8]} ms ..., read-back +{args.sync_ms} ms")
     print(f"{'workload':<34} {'gate':>6} {'oracle':>7} {'steps off/on':>13} {'accept':>7}")
     for name, (pairs, slots) in workloads(model, args.gen, args.keep).items():

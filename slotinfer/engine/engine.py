@@ -35,7 +35,7 @@ from .encoder import Encoder
 from .item_processor import Item, ItemProcessor, State, owned_by_request
 from .sampling import RowParams, SamplingParams, spread, top_n_computed
 from .scheduler import Scheduler
-from .speculation import BANDWIDTH_ROWS, POSITION_COST, SPECULATIVE, SYNC_COST, SpeculativeSteps, _Verified
+from .speculation import BANDWIDTH_ROWS, POSITION_COST, SPECULATIVE, STEP_COSTS, SYNC_COST, SpeculativeSteps, _Verified
 from .structured import wait_for_any, words
 
 _ids = itertools.count(1)
@@ -100,7 +100,7 @@ class Engine(SpeculativeSteps):
                  prefix_cache_bytes: int | None = None, kv_dtype=None, kv_cache_bytes: int | None = None,
                  block_size: int = KV_BLOCK_SIZE, speculative: str | None = None, draft_tokens: int = 8,
                  position_cost: float = POSITION_COST, bandwidth_rows: int = BANDWIDTH_ROWS,
-                 sync_cost: float = SYNC_COST):
+                 sync_cost: float = SYNC_COST, step_costs: tuple = STEP_COSTS):
         model.net  # a checkpoint loaded without weights says so here, before any memory is sized
         if speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {SPECULATIVE}, got {speculative!r}")
@@ -128,7 +128,7 @@ class Engine(SpeculativeSteps):
         self.encoder = Encoder(model.net, self.table, max(1, prefill_tokens))
         self.decoder = Decoder(model.net, self.table)
         self._speculate(speculative, draft_tokens=draft_tokens, position_cost=position_cost,
-                        bandwidth_rows=bandwidth_rows, sync_cost=sync_cost)
+                        bandwidth_rows=bandwidth_rows, sync_cost=sync_cost, step_costs=step_costs)
         self.items = ItemProcessor(self.table)
         if speculative:
             self.items.on_leave = self._leave_draft

@@ -21,11 +21,13 @@ from ..errors import EngineError
 from ..spec import CostModel, Drafter
 
 SPECULATIVE = (None, "ngram")  # what ``speculative`` takes: off, or drafts from n-grams (and forced tokens)
-# The gate's constants on the 2-core CPU (benchmarks/bench_spec.py --calibrate, docs/speculative.md): an
-# extra verified position costs 0.11-0.19 of a one-row step up to 8 positions; a budget of 6 positions a
-# step measured no better than 4, so nobody drafts past 4 positions.
+# The gate's constants on the 2-core CPU (benchmarks/bench_spec.py --calibrate, docs/speculative.md): the
+# verify step of 1..8 positions in one-row steps (8.71, 10.04, 10.76, 13.22, 15.19, 18.66, 20.45, 23.09 ms
+# on SmolLM2-135M; 9 positions cost 39.4, so nobody drafts past 8).  The table, not a line through it,
+# decides how long a draft pays (benchmarks/spec_replay.py).  POSITION_COST: the line past the table.
+STEP_COSTS = (1.0, 1.153, 1.235, 1.518, 1.744, 2.142, 2.348, 2.651)
 POSITION_COST = 0.15
-BANDWIDTH_ROWS = 4
+BANDWIDTH_ROWS = 8
 # A step whose previous one is read back first loses the overlap of the host's work (reading tokens,
 # drafting, building the step) with the device's: 0.05 of a one-row step on that CPU (the same
 # calibration).  A row makes steps wait only while drafts come often enough to pay for it.
@@ -70,11 +72,12 @@ class SpeculativeSteps:
     """The speculative parts of the engine's step (a mixin of :class:`~slotinfer.engine.engine.Engine`)."""
 
     def _speculate(self, speculative, *, draft_tokens: int, position_cost: float, bandwidth_rows: int,
-                   sync_cost: float):
+                   sync_cost: float, step_costs: tuple = STEP_COSTS):
         """Set up the drafter and the verify step (none when ``speculative`` is None)."""
         self.speculative = speculative
         self.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,
-                                              bandwidth_rows=bandwidth_rows, sync_cost=sync_cost)) if speculative else None
+                                              bandwidth_rows=bandwidth_rows, sync_cost=sync_cost,
+                                              step_costs=step_costs)) if speculative else None
         self.verifier = Verifier(self.model.net, self.table, self.slots * (draft_tokens + 1)) if speculative else None
 
     def _may_draft(self) -> bool:

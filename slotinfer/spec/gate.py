@@ -15,10 +15,10 @@ the step after a shadow draft's first token proves right, where waiting for the 
 ``max_k`` tokens) kept it shut through most of a short copied span.
 
 **Cost.**  A step over ``P`` positions costs ``1 + c (P - 1)`` in units of a one-row step, with
-``c = position_cost``.  On the 2-core CPU, SmolLM2-135M decodes one row in about 8.7 ms and 32 rows
-in about 93 ms, so each extra row or verified position costs about 2.7 ms: ``c`` = 0.31 (an
-estimate to calibrate against the verify step once it exists).  A single row drafting ``k`` tokens
-then gains ``E(a, k) / (1 + c k)``: 1.24x at a = 0.7, k = 4; 1.74x at a = 0.9, k = 8.
+``c = position_cost``, or what a table of measured steps says (``step_costs``): on the 2-core CPU
+the verify step of SmolLM2-135M costs 1.15, 1.24, 1.52, 1.74, 2.14, 2.35 and 2.65 one-row steps at
+2..8 positions, and 4.5 at 9, which no line fits.  A single row drafting ``k`` tokens gains
+``E(a, k) / cost(k + 1)``: on that table 1.77x at a = 0.7 (k = 2), 2.59x at a = 0.95 (k = 4).
 
 **Policy.**  Past ``bandwidth_rows`` live rows the step is compute-bound and every verified
 position costs as much as a row's token: nobody drafts.  Below it, :func:`plan` hands out verified
@@ -49,20 +49,32 @@ class CostModel:
     ``max_k``: the longest draft a row verifies in one step.
     ``sync_cost``: what a step loses, as a fraction of a one-row step, when the host reads the step
     before it back first (to draft from its tokens) instead of building it while that one runs.
+    ``step_costs``: measured costs of steps of 1, 2, ... positions in one-row steps (the first 1.0,
+    each at least the one before), where a line fits them badly; past the table, and with none, the
+    line ``1 + position_cost (P - 1)``.
     """
 
     position_cost: float = 0.31
     bandwidth_rows: int = 16
     max_k: int = 8
     sync_cost: float = 0.0
+    step_costs: tuple[float, ...] = ()
 
     def __post_init__(self):
         if not self.position_cost > 0 or self.bandwidth_rows < 1 or self.max_k < 0 or not self.sync_cost >= 0:
             raise ValueError("need position_cost > 0, bandwidth_rows >= 1, max_k >= 0 and sync_cost >= 0, got "
                              f"{self.position_cost}, {self.bandwidth_rows}, {self.max_k}, {self.sync_cost}")
+        c = tuple(self.step_costs)
+        if c and (c[0] != 1.0 or any(not b >= a for a, b in zip(c, c[1:]))):
+            raise ValueError(f"step_costs must start at 1.0 and never fall (one-row steps), got {c}")
+        object.__setattr__(self, "step_costs", c)
 
     def step_cost(self, positions: int) -> float:
-        return 1.0 + self.position_cost * (positions - 1)
+        c = self.step_costs
+        if positions <= len(c):
+            return c[positions - 1]
+        last = len(c) or 1
+        return (c[-1] if c else 1.0) + self.position_cost * (positions - last)
 
     def gain(self, a: float, k: int) -> float:
         """Tokens per unit of cost for one row alone, against one token per one-row step."""
@@ -79,8 +91,10 @@ class CostModel:
         return max(0.0, self.gain(a, self.best_k(a, self.bandwidth_rows - 1)) - 1.0)
 
     def opens(self, a: float) -> bool:
-        """Whether a row alone would draft at acceptance ``a``: its first position pays iff ``a > c``."""
-        return a > self.position_cost and self.max_k > 0
+        """Whether a row alone would draft at acceptance ``a``: its first position pays iff ``a`` is
+        more than what the position adds to a one-row step."""
+        added = self.step_costs[1] - 1.0 if len(self.step_costs) > 1 else self.position_cost
+        return a > added and self.max_k > 0
 
     def compute_bound(self, live: int) -> bool:
         return live >= self.bandwidth_rows
@@ -102,8 +116,8 @@ def plan(candidates: list[tuple[float, int]], live: int, cost: CostModel) -> lis
     while heap and positions < cost.bandwidth_rows:
         neg, i, a = heap[0]
         value = -neg  # a^j: the chance the row's next draft position is accepted
-        # one more position raises tokens / cost(positions) iff value * cost > c * tokens
-        if value * cost.step_cost(positions) <= cost.position_cost * tokens:
+        # one more position must raise the step's expected tokens per unit of cost
+        if (tokens + value) * cost.step_cost(positions) <= tokens * cost.step_cost(positions + 1):
             break
         ks[i] += 1
         positions += 1

@@ -106,6 +106,57 @@ def test_best_k_maximizes_the_single_row_gain(a, limit, c):
     assert gains[k] >= max(gains) - 1e-9
 
 
+@st.composite
+def step_tables(draw, convex=False):
+    """A table of steps of 1.. positions in one-row steps: 1.0, then never falling (``convex``: each
+    step's rise at least the one before)."""
+    rises = draw(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=9))
+    if convex:
+        rises = sorted(rises)
+    table = [1.0]
+    for r in rises:
+        table.append(table[-1] + r)
+    return tuple(table)
+
+
+@given(st.floats(0, 1), st.integers(0, 12), step_tables(convex=True), st.floats(0.05, 2.0))
+def test_best_k_on_a_table_of_steps_maximizes_the_gain(a, limit, table, c):
+    """On measured step costs (convex ones), the draft length maximizes tokens per unit of cost, past
+    the table too (where the line of ``position_cost`` goes on from the table's last step)."""
+    cost = CostModel(position_cost=max(c, table[-1] - table[-2]), max_k=12, step_costs=table)
+    k = cost.best_k(a, limit)
+    gains = [cost.gain(a, j) for j in range(min(limit, 12) + 1)]
+    assert gains[k] >= max(gains) - 1e-9
+    assert cost.step_cost(len(table) + 2) == pytest.approx(table[-1] + 2 * cost.position_cost)
+
+
+@given(st.floats(0, 1), st.integers(1, 12), step_tables())
+def test_a_draft_stops_where_one_more_token_would_not_pay(a, limit, table):
+    """On any table the plan stops where one more position would lower the expected tokens per unit
+    of cost, and a row whose first position costs more than its acceptance never drafts."""
+    cost = CostModel(position_cost=0.5, max_k=12, step_costs=table)
+    k = cost.best_k(a, limit)
+    if k < min(limit, 12) and a > 0:
+        assert cost.gain(a, k + 1) <= cost.gain(a, k) + 1e-12
+    if len(table) > 1 and a <= table[1] - 1.0:
+        assert k == 0 and not cost.opens(a)
+
+
+def test_a_table_where_a_line_misleads():
+    """A cheap second position and a dear third (a row tile's edge): a line through the table would
+    draft two tokens at a = 0.9; the table drafts one."""
+    table = (1.0, 1.05, 3.0)
+    assert CostModel(position_cost=1.0, max_k=2, step_costs=table).best_k(0.9) == 1
+    assert CostModel(position_cost=1.0, max_k=2).best_k(0.9) == 0  # the line from 1 to 3: not even one
+    assert CostModel(position_cost=0.05, max_k=2).best_k(0.9) == 2  # the line of the first rise: two
+
+
+@pytest.mark.parametrize("table", [(1.2, 1.5), (1.0, 1.5, 1.4), (0.0,)])
+def test_a_bad_table_of_steps_is_refused(table):
+    with pytest.raises(ValueError, match="step_costs"):
+        CostModel(step_costs=table)
+
+
 @given(st.lists(st.tuples(st.floats(0, 1), st.integers(0, 10)), max_size=20), st.integers(0, 40),
        st.integers(1, 32), st.integers(0, 8))
 def test_plan_stays_in_its_bounds(candidates, extra, bandwidth, max_k):
