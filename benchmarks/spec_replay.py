@@ -38,12 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import slotinfer  # noqa: E402,F401  before MLX: slotinfer swaps in its BLAS
 from slotinfer import default_model  # noqa: E402
 from slotinfer.engine.engine import BANDWIDTH_ROWS, POSITION_COST, STEP_COSTS, SYNC_COST, Engine  # noqa: E402
+from slotinfer.engine.speculation import VERIFY_MS  # noqa: E402
 from slotinfer.spec import CostModel, Drafter, PromptLookup  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "spec_prompts.jsonl"
-# ms a verify step of 1..16 positions, one slot at 256 tokens (bench_spec.py --calibrate, quiet)
-COSTS = (8.71, 10.04, 10.76, 13.22, 15.19, 18.66, 20.45, 23.09, 39.36, 39.74, 39.70, 36.91, 45.23, 45.10,
-         43.66, 45.54)
+COSTS = VERIFY_MS  # ms a verify step of 1..16 positions: the calibration the engine's gate is priced by
 SYNC_MS = 0.59  # 9.31 against 8.72 ms a one-row step read back first (the same run)
 
 

@@ -21,13 +21,16 @@ from ..errors import EngineError
 from ..spec import CostModel, Drafter
 
 SPECULATIVE = (None, "ngram")  # what ``speculative`` takes: off, or drafts from n-grams (and forced tokens)
-# The gate's constants on the 2-core CPU (benchmarks/bench_spec.py --calibrate, docs/speculative.md): the
-# verify step of 1..8 positions in one-row steps (8.71, 10.04, 10.76, 13.22, 15.19, 18.66, 20.45, 23.09 ms
-# on SmolLM2-135M; 9 positions cost 39.4, so nobody drafts past 8).  The table, not a line through it,
-# decides how long a draft pays (benchmarks/spec_replay.py).  POSITION_COST: the line past the table.
-STEP_COSTS = (1.0, 1.153, 1.235, 1.518, 1.744, 2.142, 2.348, 2.651)
-POSITION_COST = 0.15
+# The gate's constants on the 2-core CPU (docs/speculative.md).  VERIFY_MS: ms a verify step of 1..16
+# positions, one slot of SmolLM2-135M Q4_1 at 256 tokens (benchmarks/bench_spec.py --calibrate, quiet;
+# benchmarks/spec_replay.py times its replay by it).  A ninth position costs 1.7x the eighth, so nobody
+# drafts past 8; up to there the gate prices a step by the table, not a line through it.
+# POSITION_COST: the line past the table.
+VERIFY_MS = (8.71, 10.04, 10.76, 13.22, 15.19, 18.66, 20.45, 23.09, 39.36, 39.74, 39.70, 36.91, 45.23, 45.10,
+             43.66, 45.54)
 BANDWIDTH_ROWS = 8
+STEP_COSTS = tuple(round(t / VERIFY_MS[0], 3) for t in VERIFY_MS[:BANDWIDTH_ROWS])  # in one-row steps
+POSITION_COST = 0.15
 # A step whose previous one is read back first loses the overlap of the host's work (reading tokens,
 # drafting, building the step) with the device's: 0.05 of a one-row step on that CPU (the same
 # calibration).  A row makes steps wait only while drafts come often enough to pay for it.
