@@ -3,7 +3,7 @@
 //   ROWS     how many rows of x a product takes straight from the decoded registers (more rows
 //            go through the decoded panel); PANEL: the columns a panel holds
 //   WIDE_ROWS: up to WIDE_ROWS rows (more than ROWS) also take the decoded registers straight,
-//            some of their accumulators spilled
+//            a few columns at a time (loops.h's wide_columns)
 //   zero, load, store, fma (acc + a * b, rounded once where the ISA has a fused multiply-add),
 //   reduce (the lanes to one float in a fixed tree), decode<F> (the 32 weights b of a weight row,
 //   qkernels.h's block_at, to 32 / W registers).
@@ -245,9 +245,11 @@ struct Avx2 {
 
 struct Avx512 {
   // R rows x PANEL columns of accumulators and the decoded columns fit the 32 registers up to
-  // ROWS; up to WIDE_ROWS (a verify step's positions, a small batch) some spill, which still
-  // costs less than the decoded panel
-  static constexpr int W = 16, ROWS = 4, PANEL = 4, WIDE_ROWS = 8;
+  // ROWS; up to WIDE_ROWS (a verify step's positions, a small batch) each block still meets the
+  // rows straight from its decoding, a few columns at a time (loops.h's wide_columns): on Zen 4
+  // that costs less than the decoded panel up to 12 rows (the model's products 0.72-0.97x the
+  // panel's time at 9-12 rows)
+  static constexpr int W = 16, ROWS = 4, PANEL = 4, WIDE_ROWS = 12;
   using V = __m512;
   static QK_AVX512_TARGET QK_INL V zero() { return _mm512_setzero_ps(); }
   static QK_AVX512_TARGET QK_INL V load(const float* p) { return _mm512_loadu_ps(p); }
