@@ -116,8 +116,9 @@ struct Kernels<QK_ISA> {
 
   // Columns a block of R rows (more than ROWS) takes together.  Formats whose block decodes in a
   // few instructions (Q4_0, Q4_1, Q8_0) keep all C up to 9 rows, though the accumulators spill:
-  // timed on Zen 4, the spills cost less than decoding each block for fewer columns at a time (a
-  // product of the Q4_1 model's layers 0.84-0.90x the time at 6-9 rows).  The others, and every
+  // timed on Zen 4, the spills cost less than decoding each block for fewer columns at a time,
+  // where Q5_0's and the K-quants' heavier decoding does not (docs/quantized-cpu.md, "A few
+  // sequences").  The others, and every
   // format past 9 rows, take as many of C as keep the R x C accumulators and the C decoded columns
   // (2 registers each) within 28 of the 32 registers.  Only the columns taken together change; each
   // sum is the same.

@@ -247,8 +247,8 @@ struct Avx512 {
   // R rows x PANEL columns of accumulators and the decoded columns fit the 32 registers up to
   // ROWS; up to WIDE_ROWS (a verify step's positions, a small batch) each block still meets the
   // rows straight from its decoding, a few columns at a time (loops.h's wide_columns): on Zen 4
-  // that costs less than the decoded panel up to 12 rows (the model's products 0.72-0.97x the
-  // panel's time at 9-12 rows)
+  // that costs less than the decoded panel up to 12 rows, whose 9th row went through a one-row
+  // tile (docs/quantized-cpu.md, "A few sequences")
   static constexpr int W = 16, ROWS = 4, PANEL = 4, WIDE_ROWS = 12;
   using V = __m512;
   static QK_AVX512_TARGET QK_INL V zero() { return _mm512_setzero_ps(); }
