@@ -5,8 +5,9 @@
 //
 // Products (qkernels.h says what they compute and the order of their sums): a panel of PANEL
 // columns is decoded once and met by every row of x in tiles of TILE_ROWS rows; up to ROWS rows
-// (WIDE_ROWS) skip the panel and meet each decoded block straight from registers, with the same
-// multiply-adds in the same order (the same sums, bit for bit).  A decode step's other loops
+// (WIDE_ROWS) skip the panel and meet each decoded block straight from registers, and up to twice
+// PASS_ROWS go through those loops in two passes, with the same multiply-adds in the same order
+// (the same sums, bit for bit).  A decode step's other loops
 // (decode_ops.h) are plain C++ the compiler vectorizes for the target.
 
 template <>
@@ -114,6 +115,8 @@ struct Kernels<QK_ISA> {
     }
   }
 
+  static constexpr int PASS_ROWS = 8;  // rows a pass of the few-row loops takes, past WIDE_ROWS (panels)
+
   // Columns a block of R rows (more than ROWS) takes together.  Formats whose block decodes in a
   // few instructions (Q4_0, Q4_1, Q8_0) keep all C up to 9 rows, though the accumulators spill:
   // timed on Zen 4, the spills cost less than decoding each block for fewer columns at a time,
@@ -159,6 +162,18 @@ struct Kernels<QK_ISA> {
       // does not fit on the stack: cheaper than the decoded panel below, which reads its weights
       // back from memory without the prefetch)
       if (job.m <= I::WIDE_ROWS) return few_rows<F, C, I::ROWS + 1, I::WIDE_ROWS>(job);
+      if (job.m <= 2 * PASS_ROWS) {
+        // 13 to 16 rows: two passes of the few-row loops, PASS_ROWS rows and then the rest.  Each
+        // block is decoded twice, which still costs less than the panel at these counts (the tied
+        // head's 49,152 columns most: docs/quantized-cpu.md, "A few sequences")
+        Job first = job, rest = job;
+        first.m = PASS_ROWS;
+        rest.m = job.m - PASS_ROWS;
+        rest.x += (size_t)PASS_ROWS * job.k;
+        rest.out += (size_t)PASS_ROWS * job.n;
+        panels<F, C>(first, buf);
+        return panels<F, C>(rest, buf);
+      }
     }
     const int nb = job.k / BLOCK, k = job.k;
     const int most = std::max(1, K_CHUNK_BYTES / (C * BLOCK * (int)sizeof(float)));
