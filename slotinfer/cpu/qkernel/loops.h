@@ -7,8 +7,8 @@
 // columns is decoded once and met by every row of x in tiles of TILE_ROWS rows; up to ROWS rows
 // (WIDE_ROWS) skip the panel and meet each decoded block straight from registers, and up to twice
 // PASS_ROWS go through those loops in two passes, with the same multiply-adds in the same order
-// (the same sums, bit for bit).  A decode step's other loops
-// (decode_ops.h) are plain C++ the compiler vectorizes for the target.
+// (the same sums, bit for bit).  A decode step's other loops (decode_ops.h) are plain C++ the
+// compiler vectorizes for the target.
 
 template <>
 struct Kernels<QK_ISA> {
@@ -121,10 +121,9 @@ struct Kernels<QK_ISA> {
   // few instructions (Q4_0, Q4_1, Q8_0) keep all C up to 9 rows, though the accumulators spill:
   // timed on Zen 4, the spills cost less than decoding each block for fewer columns at a time,
   // where Q5_0's and the K-quants' heavier decoding does not (docs/quantized-cpu.md, "A few
-  // sequences").  The others, and every
-  // format past 9 rows, take as many of C as keep the R x C accumulators and the C decoded columns
-  // (2 registers each) within 28 of the 32 registers.  Only the columns taken together change; each
-  // sum is the same.
+  // sequences").  The others, and every format past 9 rows, take as many of C as keep the R x C
+  // accumulators and the C decoded columns (2 registers each) within 28 of the 32 registers.  Only
+  // the columns taken together change; each sum is the same.
   static constexpr int wide_columns(Format F, int C, int R) {
     if (R <= I::ROWS) return C;
     const bool light = F == Format::Q4_0 || F == Format::Q4_1 || F == Format::Q8_0;
