@@ -23,11 +23,12 @@ from ..spec import CostModel, Drafter
 SPECULATIVE = (None, "ngram")  # what ``speculative`` takes: off, or drafts from n-grams (and forced tokens)
 # The gate's constants on the 2-core CPU (docs/speculative.md).  VERIFY_MS: ms a verify step of 1..16
 # positions, one slot of SmolLM2-135M Q4_1 at 256 tokens (benchmarks/bench_spec.py --calibrate, quiet;
-# benchmarks/spec_replay.py times its replay by it).  A ninth position costs 1.7x the eighth, so nobody
-# drafts past 8; up to there the gate prices a step by the table, not a line through it.
-# POSITION_COST: the line past the table.
-VERIFY_MS = (8.71, 10.04, 10.76, 13.22, 15.19, 18.66, 20.45, 23.09, 39.36, 39.74, 39.70, 36.91, 45.23, 45.10,
-             43.66, 45.54)
+# benchmarks/spec_replay.py times its replay by it; eight runs with the current product loops gave
+# medians within 5% of 1..8 and 9..16 as here).  A ninth position costs 1.5x the eighth (past 8 the step
+# pads its rows to a bucket: 12), so nobody drafts past 8; up to there the gate prices a step by the
+# table, not a line through it.  POSITION_COST: the line past the table.
+VERIFY_MS = (8.71, 10.04, 10.76, 13.22, 15.19, 18.66, 20.45, 23.09, 36.10, 36.44, 35.78, 34.11, 43.03, 41.59,
+             41.80, 43.24)
 BANDWIDTH_ROWS = 8
 STEP_COSTS = tuple(round(t / VERIFY_MS[0], 3) for t in VERIFY_MS[:BANDWIDTH_ROWS])  # in one-row steps
 POSITION_COST = 0.15
@@ -75,7 +76,7 @@ class SpeculativeSteps:
     """The speculative parts of the engine's step (a mixin of :class:`~slotinfer.engine.engine.Engine`)."""
 
     def _speculate(self, speculative, *, draft_tokens: int, position_cost: float, bandwidth_rows: int,
-                   sync_cost: float, step_costs: tuple = STEP_COSTS):
+                   sync_cost: float, step_costs: tuple):
         """Set up the drafter and the verify step (none when ``speculative`` is None)."""
         self.speculative = speculative
         self.drafter = Drafter(cost=CostModel(position_cost=position_cost, max_k=draft_tokens,

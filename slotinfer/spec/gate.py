@@ -17,7 +17,7 @@ the step after a shadow draft's first token proves right, where waiting for the 
 **Cost.**  A step over ``P`` positions costs ``1 + c (P - 1)`` in units of a one-row step, with
 ``c = position_cost``, or what a table of measured steps says (``step_costs``): on the 2-core CPU
 the verify step of SmolLM2-135M costs 1.15, 1.24, 1.52, 1.74, 2.14, 2.35 and 2.65 one-row steps at
-2..8 positions, and 4.5 at 9, which no line fits.  A single row drafting ``k`` tokens gains
+2..8 positions, and 4.1 at 9, which no line fits.  A single row drafting ``k`` tokens gains
 ``E(a, k) / cost(k + 1)``: on that table 1.77x at a = 0.7 (k = 2), 2.59x at a = 0.95 (k = 4).
 
 **Policy.**  Past ``bandwidth_rows`` live rows the step is compute-bound and every verified
