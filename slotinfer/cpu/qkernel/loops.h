@@ -118,16 +118,17 @@ struct Kernels<QK_ISA> {
   static constexpr int PASS_ROWS = 8;  // rows a pass of the few-row loops takes, past WIDE_ROWS (panels)
 
   // Columns a block of R rows (more than ROWS) takes together.  Formats whose block decodes in a
-  // few instructions (Q4_0, Q4_1, Q8_0) keep all C up to 9 rows, though the accumulators spill:
-  // timed on Zen 4, the spills cost less than decoding each block for fewer columns at a time,
-  // where Q5_0's and the K-quants' heavier decoding does not (docs/quantized-cpu.md, "A few
-  // sequences").  The others, and every format past 9 rows, take as many of C as keep the R x C
-  // accumulators and the C decoded columns (2 registers each) within 28 of the 32 registers.  Only
-  // the columns taken together change; each sum is the same.
+  // few instructions (Q4_0, Q4_1, Q8_0) keep all C up to LIGHT_ROWS rows (9 with AVX-512, 4 with
+  // AVX2), though the accumulators spill: timed on Zen 4 and Zen 3, the spills cost less than
+  // decoding each block for fewer columns at a time, where Q5_0's and the K-quants' heavier
+  // decoding does not (docs/quantized-cpu.md, "A few sequences").  The others, and every format
+  // past LIGHT_ROWS, take as many of C as keep the R x C accumulators and the C decoded columns
+  // (SLICES registers each) within all but 4 of the registers.  Only the columns taken together
+  // change; each sum is the same.
   static constexpr int wide_columns(Format F, int C, int R) {
     if (R <= I::ROWS) return C;
     const bool light = F == Format::Q4_0 || F == Format::Q4_1 || F == Format::Q8_0;
-    return light && R <= 9 ? C : std::max(1, std::min(C, 28 / (R + 2)));
+    return light && R <= I::LIGHT_ROWS ? C : std::max(1, std::min(C, (I::REGISTERS - 4) / (R + SLICES)));
   }
 
   // job.m rows, R <= job.m <= TOP, by rows<F, C (fewer past ROWS rows), job.m>

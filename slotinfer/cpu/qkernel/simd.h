@@ -4,6 +4,8 @@
 //            go through the decoded panel); PANEL: the columns a panel holds
 //   WIDE_ROWS: up to WIDE_ROWS rows (more than ROWS) also take the decoded registers straight,
 //            a few columns at a time (loops.h's wide_columns)
+//   REGISTERS: the vector registers; LIGHT_ROWS: up to this many rows the formats whose blocks
+//            decode in a few instructions keep all PANEL columns, their accumulators spilling
 //   zero, load, store, fma (acc + a * b, rounded once where the ISA has a fused multiply-add),
 //   reduce (the lanes to one float in a fixed tree), decode<F> (the 32 weights b of a weight row,
 //   qkernels.h's block_at, to 32 / W registers).
@@ -20,7 +22,7 @@ namespace qk {
 
 // 8 lanes in plain C++: the lanes' multiply and add each rounded (no fused multiply-add).
 struct Portable {
-  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 1;
+  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 1, REGISTERS = 16, LIGHT_ROWS = 1;
   struct V {
     float l[8];
   };
@@ -117,7 +119,11 @@ QK_AVX512_TARGET QK_INL __m128i q4_k_unpack_vl(const uint8_t* s) {
 }
 
 struct Avx2 {
-  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 1;
+  // 16 registers: one row takes a panel's 2 columns from registers, and up to WIDE_ROWS rows take
+  // 1 or 2 (loops.h's wide_columns), 9 to 16 rows in two passes.  Timed on Zen 3 (docs/quantized-cpu.md,
+  // "A few sequences"), 2 rows cost 0.56x the decoded panel's time and 8 rows 0.75x; 10 or 12 rows
+  // at once (their accumulators spilling) cost more than two passes.
+  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 8, REGISTERS = 16, LIGHT_ROWS = 4;
   using V = __m256;
   static QK_AVX2_TARGET QK_INL V zero() { return _mm256_setzero_ps(); }
   static QK_AVX2_TARGET QK_INL V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -249,7 +255,7 @@ struct Avx512 {
   // rows straight from its decoding, a few columns at a time (loops.h's wide_columns): on Zen 4
   // that costs less than the decoded panel up to 12 rows, whose 9th row went through a one-row
   // tile (docs/quantized-cpu.md, "A few sequences")
-  static constexpr int W = 16, ROWS = 4, PANEL = 4, WIDE_ROWS = 12;
+  static constexpr int W = 16, ROWS = 4, PANEL = 4, WIDE_ROWS = 12, REGISTERS = 32, LIGHT_ROWS = 9;
   using V = __m512;
   static QK_AVX512_TARGET QK_INL V zero() { return _mm512_setzero_ps(); }
   static QK_AVX512_TARGET QK_INL V load(const float* p) { return _mm512_loadu_ps(p); }
