@@ -71,8 +71,8 @@ def test_matches_dequantize_then_matmul(kernels, qtype, n, k_blocks, m, seed):
        seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2, 3]), long_k=st.booleans())
 def test_batch_invariant(kernels, qtype, m, seed, threads, long_k):
     """A row's result is bit-identical whatever the number of rows, their values, and the thread count
-    (a few rows, which skip the decoded panel up to 4 or 12 of them and up to 16 in two passes, drawn as
-    often as any count)."""
+    (a few rows, which skip the decoded panel up to 12 of them with AVX-512 and 8 with AVX2, and up to 16
+    in two passes, drawn as often as any count)."""
     # k: a row tile takes the whole of a short k at once and a long one (over 640) in chunks, the
     # last one shorter; m: up to more rows than a panel serves
     n = 37
