@@ -227,23 +227,20 @@ struct Avx2 {
         w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
       }
     } else {
+      // bytes 0-7 and 8-15 widened to 32-bit lanes once each (two shuffles a block, not six), their
+      // low nibbles weights 0-15 and their high nibbles weights 16-31: the same integers
       const uint8_t* qs = blk + (F == Format::Q4_1 ? 4 : 2);
-      __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-      const __m128i low4 = _mm_set1_epi8(0x0f);
-      __m128i lo = _mm_and_si128(bytes, low4);
-      __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-      if constexpr (F == Format::Q4_0) {  // q - 8 in bytes, then signed widening: the same values
-        const __m128i eight = _mm_set1_epi8(8);
-        lo = _mm_sub_epi8(lo, eight);
-        hi = _mm_sub_epi8(hi, eight);
-      }
-      __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+      const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+      const __m256i low4 = _mm256_set1_epi32(0x0f);
+      __m256i q[4] = {_mm256_and_si256(b0, low4), _mm256_and_si256(b1, low4), _mm256_srli_epi32(b0, 4),
+                      _mm256_srli_epi32(b1, 4)};
       if constexpr (F == Format::Q4_0) {
-        for (int s = 0; s < 4; ++s) w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[s])));
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (int s = 0; s < 4; ++s) w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[s], eight)));
       } else {
         const __m256 m = _mm256_set1_ps(load_half(blk + 2));
-        for (int s = 0; s < 4; ++s)
-          w[s] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[s]))), m);
+        for (int s = 0; s < 4; ++s) w[s] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[s])), m);
       }
     }
   }
