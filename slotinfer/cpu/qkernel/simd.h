@@ -121,8 +121,8 @@ QK_AVX512_TARGET QK_INL __m128i q4_k_unpack_vl(const uint8_t* s) {
 struct Avx2 {
   // 16 registers: one row takes a panel's 2 columns from registers, and up to WIDE_ROWS rows take
   // 1 or 2 (loops.h's wide_columns), 9 to 16 rows in two passes.  Timed on Zen 3 (docs/quantized-cpu.md,
-  // "A few sequences"), 2 rows cost 0.56x the decoded panel's time and 8 rows 0.75x; 10 or 12 rows
-  // at once (their accumulators spilling) cost more than two passes.
+  // "On AVX2"), 2 rows cost 0.56x the decoded panel's time and 8 rows 0.75x; 10 or 12 rows at once
+  // (their accumulators spilling) cost more than two passes.
   static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 8, REGISTERS = 16, LIGHT_ROWS = 4;
   using V = __m256;
   static QK_AVX2_TARGET QK_INL V zero() { return _mm256_setzero_ps(); }
@@ -239,8 +239,9 @@ struct Avx2 {
         const __m256i eight = _mm256_set1_epi32(8);
         for (int s = 0; s < 4; ++s) w[s] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[s], eight)));
       } else {
+        // d * q is exact (d a half's 11 bits times q's 4): one rounding, as d * q + m
         const __m256 m = _mm256_set1_ps(load_half(blk + 2));
-        for (int s = 0; s < 4; ++s) w[s] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[s])), m);
+        for (int s = 0; s < 4; ++s) w[s] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[s]), m);
       }
     }
   }
