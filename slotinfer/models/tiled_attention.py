@@ -19,7 +19,11 @@ softmax's denominator, as a sum of fixed length) in one product short enough to 
 and the blocks are summed in block order.  (A product over ``head_dim + 1`` columns, the sums
 beside the values, is not the same for a query whatever the tile's height on OpenBLAS; over
 ``head_dim`` columns it is.  So are the scores' products, with the keys laid out as [D, S]:
-tests/models/test_tiled_attention.py.)  Keys a query does not see weigh exact zeros,
+tests/models/test_tiled_attention.py.  That holds where the library's products sum as the BLAS
+shim's own loops do, which take the small ones: OpenBLAS's AVX-512 kernels.  Its Haswell kernels,
+on an AVX2 CPU, sum in another order, so there a query's output can move in its last bits with the
+tile's height or the keys' reach; this path serves only where the native prefill attention does
+not.)  Keys a query does not see weigh exact zeros,
 and a block of them adds exact zeros at the end of the chain; so a query's output is a function
 of its own scores alone.
 """
