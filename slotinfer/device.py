@@ -178,7 +178,7 @@ def cpu_block_kernels(device=None) -> bool:
     with a fifth of the weight memory.  GPU: no, MLX's
     own quantized kernels serve there.  ``SLOTINFER_QUANT_KERNELS=0`` turns it off, and so does a
     ``dtype`` given to ``load``.  ``SLOTINFER_INT8_ACTIVATIONS=1`` makes the kernels take activations
-    in 8 bits (integer dot products, AVX512-VNNI where the CPU has it): faster products at many rows,
+    in 8 bits (integer dot products, AVX512-VNNI or AVX2): faster products at many rows,
     but other values, off by default (docs/quantized-cpu.md, with its measured agreement).
     """
     if _kind(device) != "cpu" or not settings.quant_kernels():

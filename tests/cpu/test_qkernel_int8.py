@@ -3,7 +3,7 @@ per block of 32, multiplied with the weights' integers exactly.
 
 Held to an exact reference written here in numpy (the weights' integers read from the blocks, the
 activations quantized as the contract says, the integer sums in int64, the float steps in float32 in the
-contract's order): the kernels' result bit for bit, on every loop set this CPU runs; the VNNI and the
+contract's order): the kernels' result bit for bit, on every loop set this CPU runs; the VNNI, AVX2 and
 portable loops give the same result; and a row alone is the row in any batch.
 """
 
@@ -118,24 +118,26 @@ def test_equals_the_integer_reference(kernels, int8, qtype, n, k_blocks, m, seed
 
 
 @built
-@given(qtype=st.sampled_from(FORMATS), m=st.sampled_from([1, 3, 5, 33]), seed=st.integers(0, 2**16))
-def test_vnni_equals_portable(int8, qtype, m, seed):
-    """The VNNI loops and the portable ones give the same values, bit for bit."""
-    if "avx512" not in qkernel.load().best_kernels():
-        pytest.skip("this CPU has no AVX-512")
-    module.set_kernels("avx512")
-    if module.int8_kernels() != "avx512vnni":
-        pytest.skip("this CPU has no AVX512-VNNI")
+@given(qtype=st.sampled_from(FORMATS), m=st.sampled_from([1, 2, 3, 5, 33]), seed=st.integers(0, 2**16))
+def test_every_loop_set_equals_portable(kernels, int8, qtype, m, seed):
+    """The int8 loops of the loop set in use (AVX512-VNNI's, AVX2's) and the portable ones give the same
+    values, bit for bit, on weights and activations that reach the integer sums' extremes."""
+    loops = module.int8_kernels()
     k = k_of(qtype, 7)
     b, _ = blocks(qtype, 45, k, seed)
+    if qtype == "Q8_0":  # a block of the extreme weights, -128 and 127
+        b = b.copy()
+        b[0, 36:68] = np.where(np.arange(32) % 2, 0x7F, 0x80).astype(np.uint8)
     x = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(F32) * 3
+    x[:, 32:64] = np.where(np.arange(32) % 3, 1.0, -1.0).astype(F32)  # a block of q = +-127
     try:
-        vnni = qlinear(x, b, qtype)
+        fast = qlinear(x, b, qtype)
         module.set_kernels("portable")
+        assert module.int8_kernels() == "portable"
         portable = qlinear(x, b, qtype)
     finally:
-        module.set_kernels(module.best_kernels())
-    assert np.array_equal(vnni, portable)
+        module.set_kernels(kernels)
+    assert np.array_equal(fast, portable), loops
 
 
 @built

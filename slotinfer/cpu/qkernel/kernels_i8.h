@@ -1,8 +1,9 @@
 // Products with 8-bit activations (an option, off by default): each row of x is quantized to int8
 // per block of 32, row by row, and multiplied with the weights' integers exactly; floats come in
-// only to scale a block's integer sums.  AVX512-VNNI's dpbusd where the CPU has it, portable C++
-// elsewhere: the same integers and the same float operations in the same order, so the same
-// result bit for bit on any CPU (loops_i8.h holds the loops, compiled once per instruction set).
+// only to scale a block's integer sums.  AVX512-VNNI's dpbusd where the CPU has it, AVX2's maddubs
+// on other x86, portable C++ elsewhere: the same integers and the same float operations in the same
+// order, so the same result bit for bit on any CPU (loops_i8.h holds the loops, compiled once per
+// instruction set).
 //
 // What a product computes (the contract every loop set keeps):
 //   x's block b of a row: dx = max|x| / 127, q = round-to-nearest-even(x * (1 / dx)) (0 where
@@ -184,28 +185,47 @@ struct I8Portable {};
 #define QK_I8_ISA I8Portable
 #define QK_I8_TARGET
 #define QK_I8_VNNI 0
+#define QK_I8_AVX2 0
 #include "loops_i8.h"
 #undef QK_I8_ISA
 #undef QK_I8_TARGET
 #undef QK_I8_VNNI
+#undef QK_I8_AVX2
 
 #ifdef QK_X86
+// AVX2: maddubs and madd, 16 lanes as two vectors of 8
+struct I8Avx2 {};
+
+#define QK_I8_ISA I8Avx2
+#define QK_I8_TARGET QK_AVX2_TARGET
+#define QK_I8_VNNI 0
+#define QK_I8_AVX2 1
+#include "loops_i8.h"
+#undef QK_I8_ISA
+#undef QK_I8_TARGET
+#undef QK_I8_VNNI
+#undef QK_I8_AVX2
+
 struct I8Vnni512 {};
 
 #define QK_I8_ISA I8Vnni512
 #define QK_I8_TARGET QK_VNNI512_TARGET
 #define QK_I8_VNNI 1
+#define QK_I8_AVX2 0
 #include "loops_i8.h"
 #undef QK_I8_ISA
 #undef QK_I8_TARGET
 #undef QK_I8_VNNI
+#undef QK_I8_AVX2
 #endif
 
 // The int8 loops for the instruction set in use: VNNI where the loops in use are AVX-512's and the
-// CPU has it, the portable ones otherwise (the same values)
+// CPU has it, AVX2's where the loops in use are AVX2's or AVX-512's, the portable ones otherwise
+// (the same values)
 inline const char* int8_loops() {
 #ifdef QK_X86
   if (isa() == Isa::Avx512 && cpu_has_avx512vnni()) return "avx512vnni";
+  if (isa() != Isa::Portable) return "avx2";
 #endif
   return "portable";
 }
@@ -213,6 +233,7 @@ inline const char* int8_loops() {
 inline void columns_i8(const Job& job) {
 #ifdef QK_X86
   if (isa() == Isa::Avx512 && cpu_has_avx512vnni()) return KernelsI8<I8Vnni512>::columns(job);
+  if (isa() != Isa::Portable) return KernelsI8<I8Avx2>::columns(job);
 #endif
   KernelsI8<I8Portable>::columns(job);
 }

@@ -69,7 +69,7 @@ NB_MODULE(_qkernel, m) {
   m.def("set_int8_activations", [](bool on) { int8_activations() = on; }, "on"_a,
         "products quantize each row of x to int8 per block of 32 and multiply in integers (kernels_i8.h)");
   m.def("int8_activations", []() { return int8_activations(); });
-  m.def("int8_kernels", []() { return std::string(int8_loops()); }, "the int8 loops in use (avx512vnni, portable)");
+  m.def("int8_kernels", []() { return std::string(int8_loops()); }, "the int8 loops in use (avx512vnni, avx2, portable)");
   m.def("kernels", []() { return std::string(isa_name(isa())); }, "the loops in use");
   m.def("best_kernels", []() { return std::string(isa_name(best_isa())); }, "the best loops this CPU runs");
   m.def(
