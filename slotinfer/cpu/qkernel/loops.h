@@ -117,7 +117,8 @@ struct Kernels<QK_ISA> {
 
   static constexpr int PASS_ROWS = 8;  // rows a pass of the few-row loops takes, past WIDE_ROWS (panels)
 
-  // Columns a block of R rows (more than ROWS) takes together.  Formats whose block decodes in a
+  // Columns a block of R rows takes together: one row ROW_COLUMNS in the light formats below, C in
+  // the others; up to ROWS rows C.  Past ROWS rows: formats whose block decodes in a
   // few instructions (Q4_0, Q4_1, Q8_0) keep all C up to LIGHT_ROWS rows (9 with AVX-512, 4 with
   // AVX2), though the accumulators spill: timed on Zen 4 and Zen 3, the spills cost less than
   // decoding each block for fewer columns at a time, where Q5_0's and the K-quants' heavier
@@ -126,8 +127,9 @@ struct Kernels<QK_ISA> {
   // (SLICES registers each) within all but 4 of the registers.  Only the columns taken together
   // change; each sum is the same.
   static constexpr int wide_columns(Format F, int C, int R) {
-    if (R <= I::ROWS) return C;
     const bool light = F == Format::Q4_0 || F == Format::Q4_1 || F == Format::Q8_0;
+    if (R == 1 && light) return I::ROW_COLUMNS;
+    if (R <= I::ROWS) return C;
     return light && R <= I::LIGHT_ROWS ? C : std::max(1, std::min(C, (I::REGISTERS - 4) / (R + SLICES)));
   }
 

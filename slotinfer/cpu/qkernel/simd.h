@@ -6,6 +6,8 @@
 //            a few columns at a time (loops.h's wide_columns)
 //   REGISTERS: the vector registers; LIGHT_ROWS: up to this many rows the formats whose blocks
 //            decode in a few instructions keep all PANEL columns, their accumulators spilling
+//   ROW_COLUMNS: the columns one row takes together in those formats (independent sums that
+//            keep the multiply-add units busy: one sum a column is a chain of dependent steps)
 //   zero, load, store, fma (acc + a * b, rounded once where the ISA has a fused multiply-add),
 //   reduce (the lanes to one float in a fixed tree), decode<F> (the 32 weights b of a weight row,
 //   qkernels.h's block_at, to 32 / W registers).
@@ -22,7 +24,7 @@ namespace qk {
 
 // 8 lanes in plain C++: the lanes' multiply and add each rounded (no fused multiply-add).
 struct Portable {
-  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 1, REGISTERS = 16, LIGHT_ROWS = 1;
+  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 1, REGISTERS = 16, LIGHT_ROWS = 1, ROW_COLUMNS = 2;
   struct V {
     float l[8];
   };
@@ -129,11 +131,12 @@ QK_AVX512_TARGET QK_INL __m128i q4_k_unpack_vl(const uint8_t* s) {
 }
 
 struct Avx2 {
-  // 16 registers: one row takes a panel's 2 columns from registers, and up to WIDE_ROWS rows take
-  // 1 or 2 (loops.h's wide_columns), 9 to 16 rows in two passes.  Timed on Zen 3 (docs/quantized-cpu.md,
+  // 16 registers: one row takes a panel's 2 columns from registers (4 in Q4_0, Q4_1 and Q8_0, whose
+  // decoding leaves room: 1.04x at one sequence on Zen 3), and up to WIDE_ROWS rows take 1 or 2
+  // (loops.h's wide_columns), 9 to 16 rows in two passes.  Timed on Zen 3 (docs/quantized-cpu.md,
   // "On AVX2"), 2 rows cost 0.56x the decoded panel's time and 8 rows 0.75x; 10 or 12 rows at once
   // (their accumulators spilling) cost more than two passes.
-  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 8, REGISTERS = 16, LIGHT_ROWS = 4;
+  static constexpr int W = 8, ROWS = 1, PANEL = 2, WIDE_ROWS = 8, REGISTERS = 16, LIGHT_ROWS = 4, ROW_COLUMNS = 4;
   using V = __m256;
   static QK_AVX2_TARGET QK_INL V zero() { return _mm256_setzero_ps(); }
   static QK_AVX2_TARGET QK_INL V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -263,7 +266,7 @@ struct Avx512 {
   // rows straight from its decoding, a few columns at a time (loops.h's wide_columns): on Zen 4
   // that costs less than the decoded panel up to 12 rows, whose 9th row went through a one-row
   // tile (docs/quantized-cpu.md, "A few sequences")
-  static constexpr int W = 16, ROWS = 4, PANEL = 4, WIDE_ROWS = 12, REGISTERS = 32, LIGHT_ROWS = 9;
+  static constexpr int W = 16, ROWS = 4, PANEL = 4, WIDE_ROWS = 12, REGISTERS = 32, LIGHT_ROWS = 9, ROW_COLUMNS = 4;
   using V = __m512;
   static QK_AVX512_TARGET QK_INL V zero() { return _mm512_setzero_ps(); }
   static QK_AVX512_TARGET QK_INL V load(const float* p) { return _mm512_loadu_ps(p); }
