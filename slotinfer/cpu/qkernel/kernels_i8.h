@@ -176,6 +176,51 @@ inline bool cpu_has_avx512vnni() {
 }
 #endif
 
+#ifdef QK_X86
+// A weight pair's integers as two 32-byte halves (lanes 0-7 and 8-15), shared by the AVX2 and VNNI
+// loops, which lay them and the factors out in their own registers
+
+QK_AVX2_TARGET QK_INL __m256i i8_nibbles(const uint8_t* q16) {  // 16 bytes -> their low then high nibbles
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)), m = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+// 32 bits to 32 bytes: byte i is 0xff where bit i is set, 0 elsewhere (Q5_0's fifth bits)
+QK_AVX2_TARGET QK_INL __m256i bit_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i takes byte i / 8 of the word (each 128-bit half holds all 4)
+      _mm256_set1_epi32((int)bits),
+      _mm256_setr_epi64x(0x0000000000000000LL, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // and keeps its bit i % 8
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
+// Pair t (0-3) of a Q4_K super-block: sub-blocks 2t and 2t + 1, the low and high nibbles of 32 bytes
+QK_AVX2_TARGET QK_INL void q4k_pair_bytes(const uint8_t* blk, int t, __m256i (&u)[2]) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * t)), m = _mm256_set1_epi8(0x0f);
+  u[0] = _mm256_and_si256(b, m);
+  u[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+}
+
+// Pair t (0-3) of a Q6_K super-block: sub-blocks 2t and 2t + 1 as unsigned 6-bit values, and the
+// pair's four scales of 16 weights times d
+QK_AVX2_TARGET QK_INL void q6k_pair_bytes(const uint8_t* blk, int t, __m256i (&u)[2]) {
+  for (int h = 0; h < 2; ++h) {
+    const int J = 2 * t + h, half = J >> 2, j = J & 3;
+    __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (j & 1)));
+    __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
+    if (j & 2) lo = _mm256_srli_epi16(lo, 4);
+    lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0f));
+    hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
+    u[h] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  }
+}
+QK_AVX2_TARGET QK_INL __m128 q6k_pair_scales(const uint8_t* blk, int t) {
+  int32_t s4;
+  std::memcpy(&s4, blk + 192 + 4 * t, 4);
+  return _mm_mul_ps(_mm_set1_ps(load_half(blk + 208)), _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(s4))));
+}
+#endif
+
 template <class I>
 struct KernelsI8;
 

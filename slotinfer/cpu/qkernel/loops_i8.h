@@ -21,39 +21,24 @@ struct KernelsI8<QK_I8_ISA> {
   QK_I8_TARGET static QK_INL __m512i join(__m256i lo, __m256i hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   }
-  QK_I8_TARGET static QK_INL __m256i nibbles(const uint8_t* q16) {  // 16 bytes -> their low then high nibbles
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)), m = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-  }
-
   // ks: the super-block's factors (Q4_K; Avx512::k_scales, once per super-block)
   template <Format F>
   QK_I8_TARGET static QK_INL void w_pair_vnni(const uint8_t* row, int nb, int p, const KScales& ks, WPair& w) {
     if constexpr (F == Format::Q4_K) {
       const uint8_t* blk = row + (size_t)(p >> 2) * block_bytes(F);
       const int t = p & 3;
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * t)), m = _mm256_set1_epi8(0x0f);
-      _mm512_store_si512(w.u, join(_mm256_and_si256(b, m), _mm256_and_si256(_mm256_srli_epi16(b, 4), m)));
+      __m256i u[2];
+      q4k_pair_bytes(blk, t, u);
+      _mm512_store_si512(w.u, join(u[0], u[1]));
       _mm512_store_ps(w.dw, halves(ks.a[2 * t], ks.a[2 * t + 1]));
       _mm512_store_ps(w.mv, halves(-ks.a[8 + 2 * t], -ks.a[9 + 2 * t]));
     } else if constexpr (F == Format::Q6_K) {
       const uint8_t* blk = row + (size_t)(p >> 2) * block_bytes(F);
       const int t = p & 3;
       __m256i q[2];
-      for (int h = 0; h < 2; ++h) {
-        const int J = 2 * t + h, half = J >> 2, j = J & 3;
-        __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (j & 1)));
-        __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
-        if (j & 2) lo = _mm256_srli_epi16(lo, 4);
-        lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0f));
-        hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
-        q[h] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-      }
+      q6k_pair_bytes(blk, t, q);
       _mm512_store_si512(w.u, join(q[0], q[1]));
-      int32_t s4;
-      std::memcpy(&s4, blk + 192 + 4 * t, 4);
-      const __m128 sc = _mm_mul_ps(_mm_set1_ps(load_half(blk + 208)),
-                                   _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(s4))));
+      const __m128 sc = q6k_pair_scales(blk, t);
       const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
       _mm512_store_ps(w.dw, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(sc)));
       _mm512_store_ps(w.mv, _mm512_setzero_ps());
@@ -70,13 +55,13 @@ struct KernelsI8<QK_I8_ISA> {
         } else if constexpr (F == Format::Q5_0) {
           uint32_t qh;
           std::memcpy(&qh, blk + 2, 4);
-          const __m256i n = nibbles(blk + 6);
+          const __m256i n = i8_nibbles(blk + 6);
           v[h] = _mm256_mask_add_epi8(n, (__mmask32)qh, n, _mm256_set1_epi8(16));
         } else if constexpr (F == Format::Q4_1) {
-          v[h] = nibbles(blk + 4);
+          v[h] = i8_nibbles(blk + 4);
           m[h] = load_half(blk + 2);
         } else {
-          v[h] = nibbles(blk + 2);
+          v[h] = i8_nibbles(blk + 2);
         }
       }
       _mm512_store_si512(w.u, join(v[0], v[1]));
@@ -124,10 +109,6 @@ struct KernelsI8<QK_I8_ISA> {
   // keeps a pair's sum within 2 * 63 * 127; Q8_0 keeps its weights signed (w = u - 128, stored as the
   // block's own bytes) and multiplies |w| by q with w's sign, at most 2 * 128 * 127, and its sum of
   // w * q is the contract's -128 * Y + sum(u * q).
-  QK_I8_TARGET static QK_INL __m256i nibbles(const uint8_t* q16) {  // 16 bytes -> their low then high nibbles
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q16)), m = _mm_set1_epi8(0x0f);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-  }
   QK_I8_TARGET static QK_INL void put_pair(WPair& w, __m256i u0, __m256i u1, __m256 d0, __m256 d1, __m256 m0, __m256 m1) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(w.u), u0);
     _mm256_store_si256(reinterpret_cast<__m256i*>(w.u + 32), u1);
@@ -144,26 +125,16 @@ struct KernelsI8<QK_I8_ISA> {
     if constexpr (F == Format::Q4_K) {
       const uint8_t* blk = row + (size_t)(p >> 2) * block_bytes(F);
       const int t = p & 3;
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * t)), m = _mm256_set1_epi8(0x0f);
-      put_pair(w, _mm256_and_si256(b, m), _mm256_and_si256(_mm256_srli_epi16(b, 4), m), _mm256_set1_ps(ks.a[2 * t]),
-               _mm256_set1_ps(ks.a[2 * t + 1]), _mm256_set1_ps(-ks.a[8 + 2 * t]), _mm256_set1_ps(-ks.a[9 + 2 * t]));
+      __m256i u[2];
+      q4k_pair_bytes(blk, t, u);
+      put_pair(w, u[0], u[1], _mm256_set1_ps(ks.a[2 * t]), _mm256_set1_ps(ks.a[2 * t + 1]),
+               _mm256_set1_ps(-ks.a[8 + 2 * t]), _mm256_set1_ps(-ks.a[9 + 2 * t]));
     } else if constexpr (F == Format::Q6_K) {
       const uint8_t* blk = row + (size_t)(p >> 2) * block_bytes(F);
       const int t = p & 3;
       __m256i q[2];
-      for (int h = 0; h < 2; ++h) {
-        const int J = 2 * t + h, half = J >> 2, j = J & 3;
-        __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (j & 1)));
-        __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
-        if (j & 2) lo = _mm256_srli_epi16(lo, 4);
-        lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0f));
-        hi = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
-        q[h] = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-      }
-      int32_t s4;
-      std::memcpy(&s4, blk + 192 + 4 * t, 4);
-      const __m256 sc = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(load_half(blk + 208)),
-                                                          _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(s4)))));
+      q6k_pair_bytes(blk, t, q);
+      const __m256 sc = _mm256_castps128_ps256(q6k_pair_scales(blk, t));
       put_pair(w, q[0], q[1], _mm256_permutevar8x32_ps(sc, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
                _mm256_permutevar8x32_ps(sc, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)), _mm256_setzero_ps(),
                _mm256_setzero_ps());
@@ -180,12 +151,12 @@ struct KernelsI8<QK_I8_ISA> {
         } else if constexpr (F == Format::Q5_0) {
           uint32_t qh;
           std::memcpy(&qh, blk + 2, 4);
-          v[h] = _mm256_or_si256(nibbles(blk + 6), _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)));
+          v[h] = _mm256_or_si256(i8_nibbles(blk + 6), _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(16)));
         } else if constexpr (F == Format::Q4_1) {
-          v[h] = nibbles(blk + 4);
+          v[h] = i8_nibbles(blk + 4);
           m[h] = load_half(blk + 2);
         } else {
-          v[h] = nibbles(blk + 2);
+          v[h] = i8_nibbles(blk + 2);
         }
       }
       put_pair(w, v[0], v[1], _mm256_set1_ps(d[0]), _mm256_set1_ps(d[1]), _mm256_set1_ps(m[0]), _mm256_set1_ps(m[1]));

@@ -79,16 +79,6 @@ QK_AVX2_TARGET QK_INL float reduce128(__m128 s) {  // ((l0+l2)+(l1+l3)) of 4 lan
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// 32 bits to 32 bytes: byte i is 0xff where bit i is set, 0 elsewhere (Q5_0's fifth bits, for the
-// int8 loops)
-QK_AVX2_TARGET QK_INL __m256i bit_bytes(uint32_t bits) {
-  const __m256i spread = _mm256_shuffle_epi8(  // byte i takes byte i / 8 of the word (each 128-bit half holds all 4)
-      _mm256_set1_epi32((int)bits),
-      _mm256_setr_epi64x(0x0000000000000000LL, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
-  const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  // and keeps its bit i % 8
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-}
-
 // Q6_K sub-block J = 4 * half + j of a super-block: its 32 six-bit values minus 32, as signed bytes
 template <int half, int j>
 QK_AVX2_TARGET QK_INL __m256i q6k_bytes(const uint8_t* blk) {
