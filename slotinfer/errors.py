@@ -39,6 +39,12 @@ class TokenizerError(ModelLoadError, ValueError):
     """The tokenizer files are missing, malformed, or do not fit the model."""
 
 
+# -- settings --------------------------------------------------------------
+
+class SettingError(SlotinferError, ValueError):
+    """A ``SLOTINFER_*`` environment variable holds a value it cannot take."""
+
+
 # -- requests --------------------------------------------------------------
 
 class InvalidRequestError(SlotinferError, ValueError):

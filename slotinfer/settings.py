@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .errors import SettingError
+
 
 def _flag(name: str) -> bool:
     """An on-by-default switch: ``0`` turns it off, anything else (or unset) leaves it on."""
@@ -43,10 +45,10 @@ def quant_kernels() -> bool:
 def int8_activations() -> bool:
     """``SLOTINFER_INT8_ACTIVATIONS=1``: on CPU, the quantized kernels' products quantize each row of
     activations to 8 bits per block of 32 and multiply in integers (off by default: it changes the
-    values).  Raises ValueError on anything but 0 or 1."""
+    values).  Raises SettingError (a ValueError) on anything but 0 or 1."""
     value = os.environ.get("SLOTINFER_INT8_ACTIVATIONS", "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"SLOTINFER_INT8_ACTIVATIONS={value!r}: expected 0 or 1 (1: the CPU's quantized "
+        raise SettingError(f"SLOTINFER_INT8_ACTIVATIONS={value!r}: expected 0 or 1 (1: the CPU's quantized "
                          "kernels take activations in 8 bits); unset it for the default, 0")
     return value == "1"
 
@@ -64,12 +66,12 @@ def native_ops() -> bool:
 
 def attention_streams() -> int | None:
     """``SLOTINFER_ATTENTION_STREAMS``: CPU streams a decode step's attention is split over;
-    None when unset.  Raises ValueError on anything but a whole number >= 1."""
+    None when unset.  Raises SettingError (a ValueError) on anything but a whole number >= 1."""
     value = os.environ.get("SLOTINFER_ATTENTION_STREAMS", "").strip()
     if not value:
         return None
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"SLOTINFER_ATTENTION_STREAMS={value!r}: expected a whole number >= 1 "
+        raise SettingError(f"SLOTINFER_ATTENTION_STREAMS={value!r}: expected a whole number >= 1 "
                          "(the CPU streams a decode step's attention is split over); unset it for the default")
     return int(value)
 
@@ -99,7 +101,7 @@ def api_key() -> str | None:
 
 def template_max_chars() -> int:
     """``SLOTINFER_TEMPLATE_MAX_CHARS``: the most characters (or list items) a chat or prompt
-    template may build or render; default 8,000,000.  Raises ValueError on anything but a whole number >= 1."""
+    template may build or render; default 8,000,000.  Raises SettingError (a ValueError) on anything but a whole number >= 1."""
     return _whole("SLOTINFER_TEMPLATE_MAX_CHARS", 8_000_000, "the most characters a template may render")
 
 
@@ -123,7 +125,7 @@ def _seconds(name: str, default: float, meaning: str) -> float:
     except ValueError:
         seconds = float("nan")
     if not seconds > 0 or seconds == float("inf"):
-        raise ValueError(f"{name}={value!r}: expected a number of seconds > 0 ({meaning}); unset it for the "
+        raise SettingError(f"{name}={value!r}: expected a number of seconds > 0 ({meaning}); unset it for the "
                          f"default of {default:g}")
     return seconds
 
@@ -133,6 +135,6 @@ def _whole(name: str, default: int, meaning: str) -> int:
     if not value:
         return default
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{name}={value!r}: expected a whole number >= 1 ({meaning}); "
+        raise SettingError(f"{name}={value!r}: expected a whole number >= 1 ({meaning}); "
                          f"unset it for the default of {default:,}")
     return int(value)

@@ -129,3 +129,12 @@ def test_ctrl_c_during_classify_writes_what_is_done_and_a_rerun_finishes_it(mode
     assert again.returncode == 0, again.stderr
     ids = [json.loads(line)["id"] for line in dest.read_text().splitlines()]
     assert sorted(ids) == list(range(1, 3001))
+
+
+@pytest.mark.parametrize("name, value", [("SLOTINFER_ATTENTION_STREAMS", "0"), ("SLOTINFER_ATTENTION_STREAMS", "two")])
+def test_a_bad_setting_is_one_line_not_a_traceback(monkeypatch, capsys, name, value):
+    """A SLOTINFER_* variable the CLI cannot take: exit status 2 and a line naming it, its value and what it takes."""
+    monkeypatch.setenv(name, value)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"slotinfer: error: {name}={value!r}: expected ") and err.count("\n") == 1, err
